@@ -1,0 +1,77 @@
+"""Command line: `hsmc generate --config X [--prompt P | --prompts-file F] [key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hsmc.config import ConfigError
+from hsmc.engine.kv_pool import KVCapacityError
+from hsmc.models.demo import ChecksumError
+from hsmc.models.loading import ModelLoadError
+
+
+def _read_prompts(args: argparse.Namespace, default: list[str]) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompts-file: no such file {path}")
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if path.suffix == ".jsonl":
+            return [json.loads(line)["prompt"] for line in lines]
+        return lines
+    if not default:
+        raise ConfigError("no prompts: pass --prompt, --prompts-file, or set `prompts` in the config")
+    return default
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from hsmc.decoder import HierarchicalDecoder
+
+    load_start = time.perf_counter()
+    decoder = HierarchicalDecoder.from_config(args.config, args.overrides)
+    load_seconds = time.perf_counter() - load_start
+    prompts = _read_prompts(args, decoder.config.prompts)
+    with tqdm(total=len(prompts), desc="prompts", unit="prompt", disable=len(prompts) < 2, file=sys.stderr) as bar:
+        results = decoder.generate(prompts, on_finish=lambda _: bar.update())
+    for prompt, result in zip(prompts, results):
+        print(f"### {prompt}\n{result.text}\n")
+    total_tokens = sum(r.stats["new_tokens"] for r in results)
+    seconds = max(r.stats["seconds"] for r in results)
+    level = decoder.config.levels[0]
+    print(f"{'prompt':>6} {'new tokens':>10} {'finish':>7} {'seconds':>8} {'tok/s':>8}")
+    for i, r in enumerate(results):
+        print(f"{i:>6} {r.stats['new_tokens']:>10} {r.finish_reason:>7} {r.stats['seconds']:>8.2f} {r.stats['tokens_per_s']:>8.1f}")
+    print(
+        f"{'total':>6} {total_tokens:>10} {'':>7} {seconds:>8.2f} {total_tokens / seconds:>8.1f}   "
+        f"[{level.kind} {level.model}, T={level.temperature}, {decoder.config.engine.device}; load {load_seconds:.1f}s]"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hsmc", description="Hierarchical speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("--config", required=True, help="YAML config (e.g. configs/demo.yaml)")
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="one prompt")
+    source.add_argument("--prompts-file", help="a text file (one prompt per line) or .jsonl with a 'prompt' field")
+    gen.add_argument("overrides", nargs="*", help="config overrides, e.g. generation.max_new_tokens=64")
+    args = parser.parse_args(argv)
+    try:
+        _generate(args)
+    except (ConfigError, ModelLoadError, KVCapacityError, ChecksumError, ValueError) as e:
+        print(f"hsmc: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

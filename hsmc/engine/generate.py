@@ -1,0 +1,120 @@
+"""Autoregressive decoding through the engine: admission in waves, batched prefill, decode loop.
+
+Prompts that fit together (rows and KV slots, worst case prompt + max_new_tokens) share one
+batch; the rest wait for the next wave. A row's tokens are appended to its block table once
+and every step runs all unfinished rows in one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from hsmc.engine.kv_pool import KVCapacityError
+from hsmc.engine.runner import ModelRunner
+from hsmc.engine.sampler import sample
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated ids only, the stop token included
+    finish_reason: str  # "stop" (an end-of-sequence token) or "length"
+
+
+def plan_waves(prompt_lengths: Sequence[int], max_new_tokens: int, max_rows: int, max_row_tokens: int, num_slots: int) -> list[list[int]]:
+    """Group prompt indices into batches whose worst-case KV need fits the pool.
+
+    Raises KVCapacityError naming the first prompt that could never fit on its own.
+    """
+    waves: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(prompt_lengths):
+        need = n + max_new_tokens
+        if need > min(max_row_tokens, num_slots):
+            raise KVCapacityError(
+                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs {need} KV slots, "
+                f"more than engine.kv_capacity_tokens={min(max_row_tokens, num_slots)}"
+            )
+        if current and (len(current) == max_rows or used + need > num_slots):
+            waves.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += need
+    if current:
+        waves.append(current)
+    return waves
+
+
+class AutoregressiveGenerator:
+    """Ancestral sampling (greedy at temperature 0) from one model."""
+
+    def __init__(self, runner: ModelRunner, temperature: float, seed: int) -> None:
+        self.runner = runner
+        self.temperature = temperature
+        self.generator = torch.Generator(runner.device).manual_seed(seed)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        on_finish: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        """Complete every prompt; `on_finish(i)` is called as prompt i completes (progress bars)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        tables = self.runner.tables
+        waves = plan_waves(
+            [len(p) for p in prompts], max_new_tokens, tables.max_rows, tables.max_row_tokens, tables.allocator.num_slots
+        )
+        results: list[Completion | None] = [None] * len(prompts)
+        for wave in waves:
+            done = self._run_wave([prompts[i] for i in wave], max_new_tokens, set(stop_token_ids))
+            for i, completion in zip(wave, done):
+                results[i] = completion
+                if on_finish:
+                    on_finish(i)
+        return results  # type: ignore[return-value]
+
+    def _run_wave(self, prompts: list[Sequence[int]], max_new_tokens: int, stop: set[int]) -> list[Completion]:
+        runner, tables, device = self.runner, self.runner.tables, self.runner.device
+        rows = torch.arange(len(prompts), device=device)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        longest = max(len(p) for p in prompts)
+        padded = torch.zeros(len(prompts), longest, dtype=torch.int64, device=device)
+        for i, p in enumerate(prompts):
+            padded[i, : len(p)] = torch.tensor(p)
+        tables.append(rows, longest)
+        tables.rollback(rows, longest - lengths, longest)
+        try:
+            out = runner.forward(rows, padded, lengths, torch.zeros_like(lengths), longest)
+            last = out.hidden[torch.arange(len(prompts), device=device), lengths - 1]
+            next_tokens, _ = sample(runner.model.logits(last), self.temperature, self.generator)
+            completions = [Completion([], "length") for _ in prompts]
+            active = list(range(len(prompts)))
+            context = longest
+            while True:
+                still, keep = [], []
+                for pos, (i, tok) in enumerate(zip(active, next_tokens.tolist())):
+                    completions[i].token_ids.append(tok)
+                    if tok in stop:
+                        completions[i].finish_reason = "stop"
+                    elif len(completions[i].token_ids) < max_new_tokens:
+                        still.append(i)
+                        keep.append(pos)
+                if not still:
+                    return completions
+                active = still
+                act_rows = rows[torch.tensor(still, device=device)]
+                feed = next_tokens[torch.tensor(keep, device=device)]
+                start = tables.length[act_rows]
+                tables.append(act_rows, 1)
+                context += 1
+                ones = torch.ones_like(start)
+                out = runner.forward(act_rows, feed[:, None], ones, start, context)
+                next_tokens, _ = sample(runner.model.logits(out.hidden[:, 0]), self.temperature, self.generator)
+        finally:
+            tables.release(rows)

