@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsmc.engine.kv_pool import BlockTables, SlotAllocator, check_invariants
+from hsmc.engine.kv_pool import BlockTables, KVCapacityError, SlotAllocator, check_invariants
 
 ROWS, WIDTH, SLOTS = 6, 24, 96
 
@@ -113,3 +113,34 @@ def test_errors_on_misuse():
     alloc.free(slots[:1])
     with pytest.raises(RuntimeError, match="more often than it was referenced"):
         alloc.dec_ref_and_free(slots[1:])
+
+
+def test_admission_waves_fit_the_pool():
+    from hsmc.engine.generate import plan_waves
+
+    # rows limit
+    assert plan_waves([3, 3, 3], 4, max_rows=2, max_row_tokens=64, num_slots=64) == [[0, 1], [2]]
+    # end-of-generation need: 10+6 + 20+6 = 42 <= 45, adding 5+6 makes 53 > 45
+    assert plan_waves([10, 20, 5], 6, max_rows=8, max_row_tokens=45, num_slots=45) == [[0, 1], [2]]
+    # padded prefill need: 3 rows x longest 30 = 90 > 80 although sum(prompt + new) = 30+2+2+3*1 = 37
+    assert plan_waves([30, 2, 2], 1, max_rows=8, max_row_tokens=80, num_slots=80) == [[0, 1], [2]]
+    with pytest.raises(KVCapacityError, match="prompt 1 has 50 tokens"):
+        plan_waves([3, 50], 20, max_rows=8, max_row_tokens=64, num_slots=64)
+
+
+def test_generation_never_runs_out_of_slots_with_one_long_prompt(tmp_path):
+    """A long prompt among short ones: the padded prefill's transient need is budgeted."""
+    from conftest import make_tiny_model
+
+    from hsmc.decoder import HierarchicalDecoder
+
+    path = make_tiny_model("llama", tmp_path / "m")
+    decoder = HierarchicalDecoder.from_config(
+        {"levels": [{"model": str(path)}], "engine": {"kv_capacity_tokens": 100, "max_batch_rows": 8}}
+    )
+    prompts = [list(range(3, 63)), [5, 6], [7, 8, 9]]  # 95 slots at the end, 180 if prefilled together
+    results = decoder.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    assert [len(r.token_ids) for r in results] == [10, 10, 10]
+    alone = [decoder.generate([p], max_new_tokens=10, ignore_eos=True)[0].token_ids for p in prompts]
+    assert [r.token_ids for r in results] == alone
+    assert decoder.runner.tables.allocator.num_free() == 100

@@ -23,26 +23,31 @@ class Completion:
     finish_reason: str  # "stop" (an end-of-sequence token) or "length"
 
 
-def plan_waves(prompt_lengths: Sequence[int], max_new_tokens: int, max_rows: int, max_row_tokens: int, num_slots: int) -> list[list[int]]:
+def plan_waves(
+    prompt_lengths: Sequence[int], max_new_tokens: int, max_rows: int, max_row_tokens: int, num_slots: int
+) -> list[list[int]]:
     """Group prompt indices into batches whose worst-case KV need fits the pool.
 
-    Raises KVCapacityError naming the first prompt that could never fit on its own.
+    A wave needs sum(prompt + max_new_tokens) slots at the end, and rows x longest prompt
+    during its padded prefill (the padding slots are returned right after). Raises
+    KVCapacityError naming the first prompt that could never fit on its own.
     """
+    limit = min(max_row_tokens, num_slots)
     waves: list[list[int]] = []
     current: list[int] = []
-    used = 0
+    total = longest = 0
     for i, n in enumerate(prompt_lengths):
-        need = n + max_new_tokens
-        if need > min(max_row_tokens, num_slots):
+        if n + max_new_tokens > limit:
             raise KVCapacityError(
-                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs {need} KV slots, "
-                f"more than engine.kv_capacity_tokens={min(max_row_tokens, num_slots)}"
+                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs {n + max_new_tokens} "
+                f"KV slots, more than engine.kv_capacity_tokens={limit}"
             )
-        if current and (len(current) == max_rows or used + need > num_slots):
+        grown_total, grown_longest = total + n + max_new_tokens, max(longest, n)
+        if current and (len(current) == max_rows or max(grown_total, (len(current) + 1) * grown_longest) > num_slots):
             waves.append(current)
-            current, used = [], 0
+            current, grown_total, grown_longest = [], n + max_new_tokens, n
         current.append(i)
-        used += need
+        total, longest = grown_total, grown_longest
     if current:
         waves.append(current)
     return waves
