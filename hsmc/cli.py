@@ -48,7 +48,8 @@ def _generate(args: argparse.Namespace) -> None:
     level = decoder.config.levels[0]
     print(f"{'prompt':>6} {'new tokens':>10} {'finish':>7} {'seconds':>8} {'tok/s':>8}")
     for i, r in enumerate(results):
-        print(f"{i:>6} {r.stats['new_tokens']:>10} {r.finish_reason:>7} {r.stats['seconds']:>8.2f} {r.stats['tokens_per_s']:>8.1f}")
+        s = r.stats
+        print(f"{i:>6} {s['new_tokens']:>10} {r.finish_reason:>7} {s['seconds']:>8.2f} {s['tokens_per_s']:>8.1f}")
     print(
         f"{'total':>6} {total_tokens:>10} {'':>7} {seconds:>8.2f} {total_tokens / seconds:>8.1f}   "
         f"[{level.kind} {level.model}, T={level.temperature}, {decoder.config.engine.device}; load {load_seconds:.1f}s]"

@@ -7,9 +7,9 @@ names the file and the offending key.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf

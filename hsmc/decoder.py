@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -45,7 +46,7 @@ class HierarchicalDecoder:
         self.runner = ModelRunner(self.model, tables)
 
     @classmethod
-    def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> "HierarchicalDecoder":
+    def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HierarchicalDecoder:
         return cls(load_config(source, overrides))
 
     def generate(

@@ -52,7 +52,9 @@ def main() -> None:
     tok.padding_side = "left"
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: max(args.batch)]]
     n = args.new_tokens
-    device = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    device = (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(f"device: CPU ({device}); SmolLM2-135M-Instruct fp32, greedy, {n} new tokens per prompt")
     print(f"{'batch':>5} {'transformers tok/s':>19} {'hsmc tok/s':>11} {'ratio':>6}")
     for b in args.batch:

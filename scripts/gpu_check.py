@@ -27,9 +27,19 @@ from hsmc.models.config import DecoderConfig  # noqa: E402
 from hsmc.models.loading import build_model, load_model  # noqa: E402
 
 QWEN3_8B = dict(
-    model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
-    rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151645,
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    eos_token_id=151645,
 )
 
 
@@ -49,7 +59,8 @@ def check_tiny() -> None:
         run_new_tokens(runner, list(range(9)), contexts)
         got, _ = run_new_tokens(runner, list(range(9)), new)
         err = max(
-            (got[i].cpu() - hf_logits(hf, contexts[i] + new[i])[len(contexts[i]) :]).abs().max().item() for i in range(9)
+            (got[i].cpu() - hf_logits(hf, contexts[i] + new[i])[len(contexts[i]) :]).abs().max().item()
+            for i in range(9)
         )
         cfg = {"levels": [{"model": str(path)}], "engine": {"kv_capacity_tokens": 1024}}
         prompts = contexts[:4]
@@ -57,7 +68,9 @@ def check_tiny() -> None:
         cfg["engine"]["device"] = "cuda"
         cuda = HierarchicalDecoder.from_config(cfg).generate(prompts, max_new_tokens=24, ignore_eos=True)
         same = all(a.token_ids == b.token_ids for a, b in zip(cpu, cuda))
-        print(f"tiny {arch:6s}: ragged-batch max|logit diff| CUDA vs transformers CPU = {err:.2e}; greedy CUDA == CPU: {same}")
+        print(
+            f"tiny {arch:6s}: ragged batch max|logit diff| CUDA vs transformers CPU {err:.2e}; greedy CUDA == CPU: {same}"
+        )
 
 
 def copy_bandwidth() -> float:
@@ -106,7 +119,7 @@ def bench_8b(new_tokens: int) -> None:
 
     hf_tps, ours_tps = timed(run_hf), timed(run_ours)
     roof = bw / weight_bytes
-    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 1e9:.1f} GB")
+    print(f"device: {torch.cuda.get_device_name()}; copy {bw / 1e12:.2f} TB/s; weights {weight_bytes / 1e9:.1f} GB")
     print(f"Qwen3-8B shape bf16, batch 1, {new_tokens} new tokens:")
     print(f"{'':28s}{'tok/s':>8}{'vs transformers':>17}{'of roofline':>13}")
     print(f"{'roofline (bytes/bandwidth)':28s}{roof:>8.1f}{'':>17}{1:>12.0%}")

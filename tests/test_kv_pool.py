@@ -12,9 +12,16 @@ from hsmc.engine.kv_pool import BlockTables, KVCapacityError, SlotAllocator, che
 ROWS, WIDTH, SLOTS = 6, 24, 96
 
 op = st.one_of(
-    st.tuples(st.just("append"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True), st.integers(1, 5)),
-    st.tuples(st.just("fork"), st.lists(st.tuples(st.integers(0, ROWS - 1), st.integers(0, ROWS - 1)), min_size=1, max_size=ROWS)),
-    st.tuples(st.just("rollback"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True), st.integers(0, 4)),
+    st.tuples(
+        st.just("append"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True), st.integers(1, 5)
+    ),
+    st.tuples(
+        st.just("fork"),
+        st.lists(st.tuples(st.integers(0, ROWS - 1), st.integers(0, ROWS - 1)), min_size=1, max_size=ROWS),
+    ),
+    st.tuples(
+        st.just("rollback"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True), st.integers(0, 4)
+    ),
     st.tuples(st.just("release"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True)),
 )
 

@@ -64,7 +64,9 @@ def _token_stream(loaded) -> list[int]:
     own batched and single-row forwards differ by 8e-5 there).
     """
     if loaded.tokenizer is None:
-        return torch.randint(0, loaded.model.config.vocab_size, (4096,), generator=torch.Generator().manual_seed(0)).tolist()
+        return torch.randint(
+            0, loaded.model.config.vocab_size, (4096,), generator=torch.Generator().manual_seed(0)
+        ).tolist()
     questions = [json.loads(line)["question"] for line in open(GSM8K_TEST).readlines()[:40]]
     return loaded.tokenizer(" ".join(questions))["input_ids"]
 

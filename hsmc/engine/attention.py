@@ -22,7 +22,14 @@ class AttentionBackend(Protocol):
         ...
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, batch: ForwardBatch, meta: object
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        batch: ForwardBatch,
+        meta: object,
     ) -> torch.Tensor:
         """Store k/v [R, T, Hkv, D] for the batch's tokens, then attend q [R, T, H, D]; returns [R, T, H, D]."""
         ...
@@ -41,7 +48,14 @@ class TorchAttention:
         return causal_mask(batch)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, batch: ForwardBatch, meta: object
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        batch: ForwardBatch,
+        meta: object,
     ) -> torch.Tensor:
         keys, values = cache.keys(layer), cache.values(layer)
         slots = batch.write_slots.reshape(-1)

@@ -37,7 +37,7 @@ class ForwardBatch:
         start: torch.Tensor,
         max_context: int,
         trash_slot: int,
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Batch for `tokens[i, :num_new[i]]` at positions `start[i]...` of row `rows[i]`.
 
         The rows' block tables must already hold slots for those positions (the row owns its

@@ -7,8 +7,8 @@ and every step runs all unfinished rows in one forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -73,18 +73,21 @@ class AutoregressiveGenerator:
             raise ValueError("every prompt needs at least one token")
         tables = self.runner.tables
         waves = plan_waves(
-            [len(p) for p in prompts], max_new_tokens, tables.max_rows, tables.max_row_tokens, tables.allocator.num_slots
+            [len(p) for p in prompts],
+            max_new_tokens,
+            tables.max_rows,
+            tables.max_row_tokens,
+            tables.allocator.num_slots,
         )
-        results: list[Completion | None] = [None] * len(prompts)
+        results: list[Completion] = []
         for wave in waves:
-            done = self._run_wave([prompts[i] for i in wave], max_new_tokens, set(stop_token_ids))
-            for i, completion in zip(wave, done):
-                results[i] = completion
-                if on_finish:
-                    on_finish(i)
-        return results  # type: ignore[return-value]
+            finished = (lambda j, wave=wave: on_finish(wave[j])) if on_finish else (lambda j: None)
+            results += self._run_wave([prompts[i] for i in wave], max_new_tokens, set(stop_token_ids), finished)
+        return results  # waves are consecutive runs of prompt indices
 
-    def _run_wave(self, prompts: list[Sequence[int]], max_new_tokens: int, stop: set[int]) -> list[Completion]:
+    def _run_wave(
+        self, prompts: list[Sequence[int]], max_new_tokens: int, stop: set[int], finished: Callable[[int], None]
+    ) -> list[Completion]:
         runner, tables, device = self.runner, self.runner.tables, self.runner.device
         rows = torch.arange(len(prompts), device=device)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -107,7 +110,9 @@ class AutoregressiveGenerator:
                     completions[i].token_ids.append(tok)
                     if tok in stop:
                         completions[i].finish_reason = "stop"
-                    elif len(completions[i].token_ids) < max_new_tokens:
+                    if tok in stop or len(completions[i].token_ids) == max_new_tokens:
+                        finished(i)
+                    else:
                         still.append(i)
                         keep.append(pos)
                 if not still:

