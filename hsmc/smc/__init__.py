@@ -1,0 +1,1 @@
+"""SMC-SD's pure tensor functions: weight increments, ESS, resampling ancestors, final selection."""

@@ -1,0 +1,41 @@
+"""Resampling ancestors and final selection from log-weights, given the caller's uniforms.
+
+The functions are pure: the caller draws the uniforms from its seeded generator, so a run is
+reproducible and the functions are testable against plain-Python references. Groups are rows
+of `logw` [G, N] (one SMC request = one group of N particles).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _inverse_cdf(logw: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """Particle index whose cumulative normalized weight first reaches each point in [0, 1)."""
+    cdf = torch.cumsum(torch.softmax(logw.double(), dim=-1), dim=-1)
+    idx = torch.searchsorted(cdf, points.double(), right=True)
+    return idx.clamp_max(logw.shape[-1] - 1)  # cdf[-1] may round to just below 1
+
+
+def systematic_ancestors(logw: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Systematic resampling: one uniform u per group, points (u + i) / N; int64 [G, N]."""
+    n = logw.shape[-1]
+    points = (uniform.double()[:, None] + torch.arange(n, device=logw.device, dtype=torch.float64)) / n
+    return _inverse_cdf(logw, points)
+
+
+def multinomial_ancestors(logw: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Multinomial resampling: N independent uniforms per group [G, N]; int64 [G, N]."""
+    return _inverse_cdf(logw, uniforms)
+
+
+def select_particle(logw: torch.Tensor, mode: str, gumbel: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of the returned particle per group: `sample` draws it ∝ weights (Gumbel-max with the
+    caller's Gumbel noise [G, N]); `argmax` takes the heaviest."""
+    if mode == "argmax":
+        return logw.argmax(-1)
+    if mode == "sample":
+        if gumbel is None:
+            raise ValueError("select_particle(mode='sample') needs Gumbel noise")
+        return (logw.double() + gumbel.double()).argmax(-1)
+    raise ValueError(f"selection must be 'sample' or 'argmax', got {mode!r}")

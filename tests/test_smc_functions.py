@@ -1,0 +1,142 @@
+"""SMC tensor functions against plain-Python references, plus their defining invariants."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from hsmc.smc.resampling import multinomial_ancestors, select_particle, systematic_ancestors
+from hsmc.smc.weights import effective_sample_size, weight_increments
+
+EOS = 3
+
+
+def _logsumexp(xs: list[float]) -> float:
+    m = max(xs)
+    return m + math.log(sum(math.exp(x - m) for x in xs))
+
+
+def _log_softmax(xs: list[float]) -> list[float]:
+    z = _logsumexp(xs)
+    return [x - z for x in xs]
+
+
+def _reference_delta(logits, drafts, logq, bonus, finished, alpha, temp) -> float:
+    """DESIGN.md §3, written out one particle at a time."""
+    if finished:
+        return 0.0
+    k = len(drafts)
+    total = 0.0
+    for j in range(k):
+        total += alpha * _log_softmax([x / temp for x in logits[j]])[drafts[j]] - logq[j]
+        if drafts[j] == EOS:
+            return total
+    last = [x / temp for x in logits[k]]
+    return total + _logsumexp([alpha * x for x in last]) - alpha * _logsumexp(last)
+
+
+@pytest.mark.parametrize("alpha,temp", [(1.0, 1.0), (2.0, 0.7), (0.5, 1.3)])
+def test_weight_increments_match_reference(alpha, temp):
+    gen = torch.Generator().manual_seed(0)
+    n, k, v = 7, 4, 6
+    logits = torch.randn(n, k + 1, v, generator=gen) * 2
+    drafts = torch.randint(0, v, (n, k), generator=gen)
+    drafts[1, 0] = EOS  # EOS at the first draft
+    drafts[2, 3] = EOS  # at the last draft
+    drafts[3] = torch.tensor([0, 1, 2, 4])
+    bonus = torch.randint(0, v, (n,), generator=gen)
+    bonus[3] = EOS  # EOS only at the bonus
+    logq = -torch.rand(n, k, generator=gen) * 3
+    finished = torch.zeros(n, dtype=torch.bool)
+    finished[5] = True
+    got = weight_increments(logits, drafts, logq, bonus, finished, torch.tensor([EOS]), alpha, temp)
+    assert got.dtype == torch.float64
+    for i in range(n):
+        ref = _reference_delta(
+            logits[i].double().tolist(),
+            drafts[i].tolist(),
+            logq[i].double().tolist(),
+            int(bonus[i]),
+            bool(finished[i]),
+            alpha,
+            temp,
+        )
+        assert got[i].item() == pytest.approx(ref, abs=1e-9), f"particle {i}"
+    assert got[5] == 0
+
+
+def test_proposal_equal_to_target_with_alpha_one_gives_zero_weights():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 4, 9, generator=gen)
+    drafts = torch.randint(4, 9, (5, 3), generator=gen)
+    logq = torch.log_softmax(logits[:, :3].double() / 0.8, -1).gather(-1, drafts[..., None]).squeeze(-1)
+    bonus = torch.randint(4, 9, (5,), generator=gen)
+    delta = weight_increments(
+        logits, drafts, logq, bonus, torch.zeros(5, dtype=torch.bool), torch.tensor([EOS]), 1.0, 0.8
+    )
+    assert delta.abs().max() < 1e-12
+
+
+def test_ess_matches_reference_and_bounds():
+    logw = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, -1e9, -1e9, -1e9], [0.3, -0.2, 1.1, 0.0]])
+    ess = effective_sample_size(logw)
+    w = [math.exp(x) for x in logw[2].tolist()]
+    ref = sum(w) ** 2 / sum(x * x for x in w)
+    assert ess[0].item() == pytest.approx(4.0) and ess[1].item() == pytest.approx(1.0)
+    assert ess[2].item() == pytest.approx(ref)
+
+
+def _reference_inverse_cdf(weights: list[float], points: list[float]) -> list[int]:
+    total = sum(weights)
+    out = []
+    for p in points:
+        acc, chosen = 0.0, len(weights) - 1
+        for i, w in enumerate(weights):
+            acc += w / total
+            if p < acc:
+                chosen = i
+                break
+        out.append(chosen)
+    return out
+
+
+def test_systematic_and_multinomial_match_reference():
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(1, 9)
+        logw = torch.tensor([[rng.gauss(0, 2) for _ in range(n)]], dtype=torch.float64)
+        weights = torch.softmax(logw[0], -1).tolist()
+        u = rng.random()
+        sys_got = systematic_ancestors(logw, torch.tensor([u]))[0].tolist()
+        assert sys_got == _reference_inverse_cdf(weights, [(u + i) / n for i in range(n)])
+        us = [rng.random() for _ in range(n)]
+        assert multinomial_ancestors(logw, torch.tensor([us]))[0].tolist() == _reference_inverse_cdf(weights, us)
+
+
+def test_systematic_counts_are_floor_or_ceil_of_expected():
+    gen = torch.Generator().manual_seed(2)
+    logw = torch.randn(200, 8, generator=gen, dtype=torch.float64) * 1.5
+    ancestors = systematic_ancestors(logw, torch.rand(200, generator=gen, dtype=torch.float64))
+    counts = torch.zeros(200, 8, dtype=torch.float64).scatter_add_(
+        1, ancestors, torch.ones(200, 8, dtype=torch.float64)
+    )
+    expected = 8 * torch.softmax(logw, -1)
+    assert ((counts >= expected.floor() - 1e-9) & (counts <= expected.ceil() + 1e-9)).all()
+    assert torch.equal(counts.sum(-1), torch.full((200,), 8.0))
+
+
+def test_selection_argmax_and_sample_distribution():
+    logw = torch.tensor([[0.5, 1.5, -0.3, 0.0]], dtype=torch.float64)
+    assert select_particle(logw, "argmax").tolist() == [1]
+    n = 100_000
+    gen = torch.Generator().manual_seed(3)
+    u = torch.rand(n, 4, generator=gen, dtype=torch.float64)
+    picks = select_particle(logw.expand(n, -1), "sample", -torch.log(-torch.log(u)))
+    expected = torch.softmax(logw[0], -1) * n
+    assert chisquare(torch.bincount(picks, minlength=4).double().numpy(), expected.numpy()).pvalue > 1e-3
+    with pytest.raises(ValueError, match="selection must be"):
+        select_particle(logw, "best")
