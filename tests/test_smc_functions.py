@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from hsmc.engine.sampler import gumbel_noise
 from hsmc.smc.resampling import multinomial_ancestors, select_particle, systematic_ancestors
 from hsmc.smc.weights import effective_sample_size, weight_increments
 
@@ -134,8 +135,7 @@ def test_selection_argmax_and_sample_distribution():
     assert select_particle(logw, "argmax").tolist() == [1]
     n = 100_000
     gen = torch.Generator().manual_seed(3)
-    u = torch.rand(n, 4, generator=gen, dtype=torch.float64)
-    picks = select_particle(logw.expand(n, -1), "sample", -torch.log(-torch.log(u)))
+    picks = select_particle(logw.expand(n, -1), "sample", gumbel_noise((n, 4), gen, torch.device("cpu")))
     expected = torch.softmax(logw[0], -1) * n
     assert chisquare(torch.bincount(picks, minlength=4).double().numpy(), expected.numpy()).pvalue > 1e-3
     with pytest.raises(ValueError, match="selection must be"):

@@ -10,6 +10,14 @@ from __future__ import annotations
 import torch
 
 
+def gumbel_noise(
+    shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log U) in fp32, from `generator`."""
+    uniform = torch.rand(shape, generator=generator, device=device)
+    return -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+
+
 def sample(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,8 +32,6 @@ def sample(
         tokens = logits.argmax(-1)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
     scaled = logits / temperature
-    uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device)
-    gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
-    tokens = (scaled + gumbel).argmax(-1)
+    tokens = (scaled + gumbel_noise(scaled.shape, generator, scaled.device)).argmax(-1)
     logprobs = torch.log_softmax(scaled, -1).gather(-1, tokens[..., None]).squeeze(-1)
     return tokens, logprobs
