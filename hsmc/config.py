@@ -15,7 +15,7 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-LEVEL_KINDS = ("model",)  # the level-stack issue adds rejection, smc and eagle3
+LEVEL_KINDS = ("model", "rejection", "smc")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -25,10 +25,18 @@ class ConfigError(ValueError):
 
 @dataclass
 class LevelConfig:
-    kind: str = "model"
+    kind: str = "model"  # model | rejection | smc, listed bottom (cheapest) to top
     model: str = MISSING  # hub id | local folder | .gguf path | a demo model's short name
     dtype: str = "float32"
     temperature: float = 0.0
+    num_layers: int | None = None  # keep only the first n decoder layers (a cheap self-draft)
+    num_draft_tokens: int = 4  # rejection: γ drafts verified per cycle
+    particles: int = 4  # smc: N
+    block_size: int = 4  # smc: K proposal tokens per cycle (0 = target-only sampling)
+    alpha: float = 1.0  # smc: target is p_T^alpha
+    ess_threshold: float = 0.5  # smc: resample when ESS < τ·N (0 disables)
+    resampling: str = "systematic"  # smc: systematic | multinomial
+    selection: str = "sample"  # smc: sample | argmax
 
 
 @dataclass
@@ -80,16 +88,27 @@ def load_config(source: str | Path | DictConfig | dict, overrides: Sequence[str]
 def validate(cfg: HsmcConfig, where: str = "config") -> None:
     if not cfg.levels:
         raise ConfigError(f"{where}: levels: at least one level is required")
-    if len(cfg.levels) > 1:
-        raise ConfigError(f"{where}: levels: stacks of several levels are not implemented yet; give one 'model' level")
     for i, level in enumerate(cfg.levels):
-        key = f"levels[{i}]"
+        key = f"{where}: levels[{i}]"
         if level.kind not in LEVEL_KINDS:
-            raise ConfigError(f"{where}: {key}.kind={level.kind!r} is not one of {', '.join(LEVEL_KINDS)}")
+            raise ConfigError(f"{key}.kind={level.kind!r} is not one of {', '.join(LEVEL_KINDS)}")
         if level.dtype not in DTYPE_NAMES:
-            raise ConfigError(f"{where}: {key}.dtype={level.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+            raise ConfigError(f"{key}.dtype={level.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
         if level.temperature < 0:
-            raise ConfigError(f"{where}: {key}.temperature must be >= 0, got {level.temperature}")
+            raise ConfigError(f"{key}.temperature must be >= 0, got {level.temperature}")
+        if level.num_layers is not None and level.num_layers <= 0:
+            raise ConfigError(f"{key}.num_layers must be positive, got {level.num_layers}")
+        if i == 0 and level.kind != "model":
+            raise ConfigError(f"{key}.kind={level.kind!r}: the bottom level must be a 'model' (it consumes nothing)")
+        if level.kind == "smc" and i != len(cfg.levels) - 1:
+            raise ConfigError(f"{key}.kind='smc' must be the top level")
+        if level.kind == "rejection":
+            if level.num_draft_tokens <= 0:
+                raise ConfigError(f"{key}.num_draft_tokens must be positive, got {level.num_draft_tokens}")
+            if cfg.levels[i - 1].kind != "model":
+                raise ConfigError(f"{key}: a rejection level drafts from a 'model' level directly below it")
+        if level.kind == "smc":
+            _validate_smc(level, cfg.levels[i - 1], key)
     for key, value in (
         ("generation.max_new_tokens", cfg.generation.max_new_tokens),
         ("engine.max_batch_rows", cfg.engine.max_batch_rows),
@@ -97,3 +116,25 @@ def validate(cfg: HsmcConfig, where: str = "config") -> None:
     ):
         if value <= 0:
             raise ConfigError(f"{where}: {key} must be positive, got {value}")
+
+
+def _validate_smc(level: LevelConfig, below: LevelConfig, key: str) -> None:
+    if level.particles <= 0:
+        raise ConfigError(f"{key}.particles must be positive, got {level.particles}")
+    if level.block_size < 0:
+        raise ConfigError(f"{key}.block_size must be >= 0, got {level.block_size}")
+    if level.alpha <= 0:
+        raise ConfigError(f"{key}.alpha must be positive, got {level.alpha}")
+    if level.temperature <= 0:
+        raise ConfigError(f"{key}.temperature must be positive for smc (weights need p_T), got {level.temperature}")
+    if not 0 <= level.ess_threshold <= 1:
+        raise ConfigError(f"{key}.ess_threshold must lie in [0, 1], got {level.ess_threshold}")
+    if level.resampling not in ("systematic", "multinomial"):
+        raise ConfigError(f"{key}.resampling={level.resampling!r} is not one of systematic, multinomial")
+    if level.selection not in ("sample", "argmax"):
+        raise ConfigError(f"{key}.selection={level.selection!r} is not one of sample, argmax")
+    if level.block_size > 0 and below.temperature <= 0:
+        raise ConfigError(
+            f"{key}: the proposal below an smc level must sample at temperature > 0 "
+            f"(importance weights need q), but it has temperature {below.temperature}"
+        )

@@ -1,7 +1,7 @@
 """`HierarchicalDecoder`: the Python entry point, built from a config.
 
-This version runs a one-level stack (`[model]`, autoregressive decoding through the engine);
-the level-stack work adds rejection, SMC and EAGLE3 levels behind the same interface.
+It loads the level stack, admits prompts in waves that fit the KV pools, and drives the top
+level: an `smc` top decodes groups of N particles per prompt; any other top streams tokens.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import torch
 from omegaconf import DictConfig
 
 from hsmc.config import ConfigError, GenerationConfig, HsmcConfig, load_config, validate
-from hsmc.engine.generate import AutoregressiveGenerator
-from hsmc.engine.kv_pool import BlockTables, SlotAllocator
-from hsmc.engine.runner import ModelRunner
-from hsmc.models.loading import load_model
+from hsmc.engine.scheduler import plan_waves
+from hsmc.levels.stack import build_stack
 from hsmc.models.tokenizer import encode_prompt
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated ids only, the stop token included
+    finish_reason: str  # "stop" (a stop token) or "length"
 
 
 @dataclass
@@ -29,21 +33,14 @@ class Result:
     text: str
     token_ids: list[int]  # generated ids only
     finish_reason: str  # "stop" or "length"
-    stats: dict[str, float]  # new_tokens, seconds (from the generate() call to its last token), tokens_per_s
+    stats: dict[str, Any]  # new_tokens, seconds (generate() start to its last token), tokens_per_s, levels
 
 
 class HierarchicalDecoder:
     def __init__(self, config: HsmcConfig) -> None:
         self.config = config
-        device = torch.device(config.engine.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"engine.device={config.engine.device!r} but no CUDA device is available")
-        (level,) = config.levels
-        loaded = load_model(level.model, level.dtype, device)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        capacity = config.engine.kv_capacity_tokens
-        tables = BlockTables(SlotAllocator(capacity, device), config.engine.max_batch_rows, capacity)
-        self.runner = ModelRunner(self.model, tables)
+        self.stack = build_stack(config)
+        self.tokenizer = self.stack.tokenizer
 
     @classmethod
     def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HierarchicalDecoder:
@@ -58,25 +55,92 @@ class HierarchicalDecoder:
         """Complete `prompts` (texts, chat-templated if configured, or token-id lists used as is)."""
         gen = self._generation_config(generation_overrides)
         ids = [encode_prompt(self.tokenizer, p, gen.chat_template) for p in prompts]
-        stop = () if gen.ignore_eos else self.model.config.eos_token_ids
-        (level,) = self.config.levels
-        generator = AutoregressiveGenerator(self.runner, level.temperature, gen.seed)
+        if not ids or any(len(i) == 0 for i in ids):
+            raise ValueError("every prompt needs at least one token")
+        stop = set() if gen.ignore_eos else set(self.stack.eos_token_ids)
+        self.stack.generator.manual_seed(gen.seed)
+        for level in self.stack.levels:
+            level.reset_stats()
+        engine = self.config.engine
+        waves = plan_waves(
+            [len(i) for i in ids],
+            gen.max_new_tokens,
+            engine.max_batch_rows,
+            engine.kv_capacity_tokens,
+            self.stack.rows_per_prompt,
+            self.stack.lookahead,
+        )
         finished_at: dict[int, float] = {}
         start = time.perf_counter()
+        completions: list[Completion] = []
+        for wave in waves:
 
-        def finished(i: int) -> None:
-            finished_at[i] = time.perf_counter() - start
-            if on_finish:
-                on_finish(i)
+            def finished(j: int, wave: list[int] = wave) -> None:
+                finished_at[wave[j]] = time.perf_counter() - start
+                if on_finish:
+                    on_finish(wave[j])
 
-        completions = generator.generate(ids, gen.max_new_tokens, stop, finished)
+            wave_ids = [ids[i] for i in wave]
+            if self.stack.is_smc:
+                groups = self.stack.top.run(wave_ids, gen.max_new_tokens, stop, finished)
+                completions += [Completion(g.token_ids, g.finish_reason) for g in groups]
+            else:
+                completions += self._stream_wave(wave_ids, gen.max_new_tokens, stop, finished)
+        total = time.perf_counter() - start
+        level_stats = self._level_stats(total)
         results = []
         for i, c in enumerate(completions):
             seconds = finished_at[i]
             text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True) if self.tokenizer else ""
-            stats = {"new_tokens": len(c.token_ids), "seconds": seconds, "tokens_per_s": len(c.token_ids) / seconds}
+            stats = {
+                "new_tokens": len(c.token_ids),
+                "seconds": seconds,
+                "tokens_per_s": len(c.token_ids) / seconds,
+                "levels": level_stats,
+            }
             results.append(Result(text=text, token_ids=c.token_ids, finish_reason=c.finish_reason, stats=stats))
         return results
+
+    def _stream_wave(
+        self, prompts: list[list[int]], max_new_tokens: int, stop: set[int], finished: Callable[[int], None]
+    ) -> list[Completion]:
+        """Decode rows from a non-SMC top level, one acknowledged token per row and step."""
+        top = self.stack.top
+        device = top.state.seq.device
+        rows = torch.arange(len(prompts), device=device)
+        top.load_prompts(rows, prompts)
+        completions = [Completion([], "length") for _ in prompts]
+        try:
+            top.prefill(rows)
+            active = list(range(len(prompts)))
+            while active:
+                act_rows = rows[torch.tensor(active, device=device)]
+                tokens = top.propose(act_rows, 1).tokens[:, 0].tolist()
+                top.commit(act_rows, 1)
+                still, done = [], []
+                for i, tok in zip(active, tokens):
+                    completions[i].token_ids.append(tok)
+                    if tok in stop:
+                        completions[i].finish_reason = "stop"
+                    if tok in stop or len(completions[i].token_ids) == max_new_tokens:
+                        finished(i)
+                        done.append(i)
+                    else:
+                        still.append(i)
+                if done:
+                    top.release(rows[torch.tensor(done, device=device)])
+                active = still
+            return completions
+        finally:
+            top.release(rows)
+
+    def _level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
+        out = []
+        for lc, level in zip(self.stack.configs, self.stack.levels):
+            stats = level.stats()
+            share = stats.pop("forward_seconds") / total_seconds if total_seconds > 0 else 0.0
+            out.append({"kind": lc.kind, "model": lc.model, "share_of_time": share, **stats})
+        return out
 
     def _generation_config(self, overrides: dict[str, Any]) -> GenerationConfig:
         known = {f.name for f in dataclasses.fields(GenerationConfig)}

@@ -23,6 +23,8 @@ from conftest import make_tiny_model  # noqa: E402
 from helpers import hf_logits, make_runner, run_new_tokens  # noqa: E402
 
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
+from hsmc.levels.base import SequenceState  # noqa: E402
+from hsmc.levels.model import ModelLevel  # noqa: E402
 from hsmc.models.config import DecoderConfig  # noqa: E402
 from hsmc.models.loading import build_model, load_model  # noqa: E402
 
@@ -109,13 +111,15 @@ def bench_8b(new_tokens: int) -> None:
         with torch.no_grad():
             hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
-    runner = make_runner(ours, num_slots=4096, max_rows=1, max_row_tokens=4096, device="cuda")
-    from hsmc.engine.generate import AutoregressiveGenerator
-
-    generator = AutoregressiveGenerator(runner, 0.0, 0)
+    level = ModelLevel(SequenceState(ours, 1, 4096, torch.device("cuda")), 0.0, torch.Generator("cuda"))
+    row = torch.zeros(1, dtype=torch.int64, device="cuda")
 
     def run_ours() -> None:
-        generator.generate([prompt[0].tolist()], new_tokens)
+        level.load_prompts(row, [prompt[0].tolist()])
+        level.prefill(row)
+        for _ in range(new_tokens):
+            level.propose(row, 1)
+        level.release(row)
 
     hf_tps, ours_tps = timed(run_hf), timed(run_ours)
     roof = bw / weight_bytes

@@ -39,3 +39,13 @@ def run_new_tokens(runner: ModelRunner, rows: list[int], new: list[list[int]], c
 @torch.no_grad()
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0]
+
+
+def assert_pools_empty(decoder) -> None:
+    """Every level's KV pool is consistent and holds no slot after a generate() call."""
+    from hsmc.engine.kv_pool import check_invariants
+
+    for level in decoder.stack.levels:
+        tables = level.state.tables
+        check_invariants(tables.allocator, [tables])
+        assert tables.allocator.num_free() == tables.allocator.num_slots, f"{type(level).__name__} leaked KV slots"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
+from helpers import assert_pools_empty
 
 from hsmc.decoder import HierarchicalDecoder
 from hsmc.models.tokenizer import encode_prompt
@@ -61,7 +62,7 @@ def test_tiny_models_greedy_equals_transformers(tmp_path):
         results = decoder.generate(prompts, max_new_tokens=20, ignore_eos=True)
         for prompt, result in zip(prompts, results):
             assert result.token_ids == _hf_greedy(hf, prompt, 20, min_new_tokens=20), arch
-        assert decoder.runner.tables.allocator.num_free() == 1024, "KV slots leaked after generate"
+        assert_pools_empty(decoder)
 
 
 def test_sampling_is_reproducible_from_seed(tmp_path):

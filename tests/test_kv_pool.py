@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_pools_empty
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,16 +124,16 @@ def test_errors_on_misuse():
 
 
 def test_admission_waves_fit_the_pool():
-    from hsmc.engine.generate import plan_waves
+    from hsmc.engine.scheduler import plan_waves
 
     # rows limit
-    assert plan_waves([3, 3, 3], 4, max_rows=2, max_row_tokens=64, num_slots=64) == [[0, 1], [2]]
+    assert plan_waves([3, 3, 3], 4, max_rows=2, capacity=64) == [[0, 1], [2]]
     # end-of-generation need: 10+6 + 20+6 = 42 <= 45, adding 5+6 makes 53 > 45
-    assert plan_waves([10, 20, 5], 6, max_rows=8, max_row_tokens=45, num_slots=45) == [[0, 1], [2]]
+    assert plan_waves([10, 20, 5], 6, max_rows=8, capacity=45) == [[0, 1], [2]]
     # padded prefill need: 3 rows x longest 30 = 90 > 80 although sum(prompt + new) = 30+2+2+3*1 = 37
-    assert plan_waves([30, 2, 2], 1, max_rows=8, max_row_tokens=80, num_slots=80) == [[0, 1], [2]]
+    assert plan_waves([30, 2, 2], 1, max_rows=8, capacity=80) == [[0, 1], [2]]
     with pytest.raises(KVCapacityError, match="prompt 1 has 50 tokens"):
-        plan_waves([3, 50], 20, max_rows=8, max_row_tokens=64, num_slots=64)
+        plan_waves([3, 50], 20, max_rows=8, capacity=64)
 
 
 def test_generation_never_runs_out_of_slots_with_one_long_prompt(tmp_path):
@@ -150,4 +151,4 @@ def test_generation_never_runs_out_of_slots_with_one_long_prompt(tmp_path):
     assert [len(r.token_ids) for r in results] == [10, 10, 10]
     alone = [decoder.generate([p], max_new_tokens=10, ignore_eos=True)[0].token_ids for p in prompts]
     assert [r.token_ids for r in results] == alone
-    assert decoder.runner.tables.allocator.num_free() == 100
+    assert_pools_empty(decoder)

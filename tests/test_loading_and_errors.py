@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import make_tiny_model
+from helpers import assert_pools_empty
 
 from hsmc.config import ConfigError, load_config
 from hsmc.decoder import HierarchicalDecoder
@@ -112,7 +113,7 @@ def test_prompt_longer_than_kv_capacity(tiny):
     decoder = HierarchicalDecoder.from_config({"levels": [{"model": str(tiny)}], "engine": {"kv_capacity_tokens": 64}})
     with pytest.raises(KVCapacityError, match=r"prompt 1 has 60 tokens.*needs 76.*kv_capacity_tokens=64"):
         decoder.generate([[1, 2, 3], list(range(3, 63))], max_new_tokens=16)
-    assert decoder.runner.tables.allocator.num_free() == 64
+    assert_pools_empty(decoder)
     assert len(decoder.generate([list(range(3, 40))], max_new_tokens=16, ignore_eos=True)[0].token_ids) == 16
 
 

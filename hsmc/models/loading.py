@@ -7,7 +7,9 @@ through transformers' GGUF loader, which dequantizes to the same state-dict layo
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +35,14 @@ class LoadedModel:
     source: str
 
 
-def load_model(source: str, dtype: str = "float32", device: str | torch.device = "cpu") -> LoadedModel:
-    """Load weights and tokenizer from `source` (see module docstring) onto `device`."""
+def load_model(
+    source: str, dtype: str = "float32", device: str | torch.device = "cpu", num_layers: int | None = None
+) -> LoadedModel:
+    """Load weights and tokenizer from `source` (see module docstring) onto `device`.
+
+    `num_layers` keeps only the first n decoder layers (with the final norm and LM head): a
+    layer-truncated copy of a model is a real, cheaper draft for it.
+    """
     from hsmc.models.demo import DEMO_MODELS, demo_model_folder
     from hsmc.models.tokenizer import load_tokenizer
 
@@ -43,12 +51,12 @@ def load_model(source: str, dtype: str = "float32", device: str | torch.device =
     if source in DEMO_MODELS:
         folder = demo_model_folder(source)
     elif source.endswith(".gguf"):
-        return _load_gguf(Path(source), DTYPES[dtype], device)
+        return _load_gguf(Path(source), DTYPES[dtype], device, num_layers)
     elif Path(source).exists():
         folder = Path(source)
     else:
         folder = _download_from_hub(source)
-    model = _load_folder(folder, DTYPES[dtype], device, source)
+    model = _load_folder(folder, DTYPES[dtype], device, source, num_layers)
     return LoadedModel(model=model, tokenizer=load_tokenizer(folder), source=source)
 
 
@@ -97,17 +105,19 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, source: str) -> DecoderLM:
+def _load_folder(
+    folder: Path, dtype: torch.dtype, device: str | torch.device, source: str, num_layers: int | None
+) -> DecoderLM:
     from safetensors.torch import load_file
 
     cfg = DecoderConfig.from_hf(read_hf_config(folder), source=str(folder / "config.json"))
     state: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(folder):
         state.update(load_file(f))
-    return build_model(cfg, state, dtype, device, source)
+    return build_model(cfg, state, dtype, device, source, num_layers)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device, num_layers: int | None) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hsmc.models.tokenizer import load_tokenizer
@@ -120,15 +130,31 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> Lo
         raise ModelLoadError(f"{path}: transformers could not read this GGUF file: {e}") from e
     cfg = DecoderConfig.from_hf(hf_config, source=str(path))
     hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    model = build_model(cfg, hf_model.state_dict(), dtype, device, str(path))
+    model = build_model(cfg, hf_model.state_dict(), dtype, device, str(path), num_layers)
     return LoadedModel(model=model, tokenizer=load_tokenizer(path.parent, gguf_file=path.name), source=str(path))
 
 
+def _layer_index(key: str) -> int:
+    """Decoder layer a weight belongs to (-1 for embeddings, final norm and head)."""
+    match = re.match(r"model\.layers\.(\d+)\.", key)
+    return int(match.group(1)) if match else -1
+
+
 def build_model(
-    cfg: DecoderConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str | torch.device, source: str
+    cfg: DecoderConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    source: str,
+    num_layers: int | None = None,
 ) -> DecoderLM:
     """Instantiate without initializing (meta device) and adopt the given tensors."""
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_KEYS)}
+    if num_layers is not None:
+        if not 0 < num_layers <= cfg.num_layers:
+            raise ModelLoadError(f"{source}: num_layers={num_layers} but the model has {cfg.num_layers} layers")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        state = {k: v for k, v in state.items() if _layer_index(k) < num_layers}
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):

@@ -1,0 +1,46 @@
+"""Admission: which prompts decode together so that the rows and KV slots they may need fit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hsmc.engine.kv_pool import KVCapacityError
+
+
+def plan_waves(
+    prompt_lengths: Sequence[int],
+    max_new_tokens: int,
+    max_rows: int,
+    capacity: int,
+    rows_per_prompt: int = 1,
+    lookahead: int = 0,
+) -> list[list[int]]:
+    """Group consecutive prompt indices into waves that fit `max_rows` rows and `capacity` slots.
+
+    A prompt's rows share its prompt KV (fan-out by refcount) and each may grow by
+    max_new_tokens + lookahead (tokens proposed past the end before they are rejected). The
+    padded prefill needs (prompts in the wave) x longest prompt slots for a moment. Raises
+    KVCapacityError naming the first prompt that could never fit on its own.
+    """
+    grow = max_new_tokens + lookahead
+    waves: list[list[int]] = []
+    current: list[int] = []
+    total = longest = 0
+    for i, n in enumerate(prompt_lengths):
+        need = n + rows_per_prompt * grow
+        if n + grow > capacity or need > capacity or rows_per_prompt > max_rows:
+            raise KVCapacityError(
+                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} (+{lookahead} lookahead) "
+                f"and {rows_per_prompt} row(s) it needs {need} KV slots and {rows_per_prompt} rows, more than "
+                f"engine.kv_capacity_tokens={capacity} / engine.max_batch_rows={max_rows}"
+            )
+        grown_total, grown_longest = total + need, max(longest, n)
+        too_many_rows = (len(current) + 1) * rows_per_prompt > max_rows
+        if current and (too_many_rows or max(grown_total, (len(current) + 1) * grown_longest) > capacity):
+            waves.append(current)
+            current, grown_total, grown_longest = [], need, n
+        current.append(i)
+        total, longest = grown_total, grown_longest
+    if current:
+        waves.append(current)
+    return waves

@@ -1,0 +1,138 @@
+"""`rejection` level: lossless speculative sampling over the level below (DESIGN.md §2).
+
+One cycle per row: the drafter proposes γ tokens with distributions q_i; ONE verifier forward over
+[pending, d_1..d_γ] gives p_1..p_{γ+1} at temperature T. Draft i is kept with probability
+min(1, p_i(d_i)/q_i(d_i)) (q one-hot for deterministic drafts); at the first rejection the
+correction is drawn from norm(max(0, p_i − q_i)); if all are kept a bonus comes from p_{γ+1}.
+At T = 0 drafts are kept while they equal argmax p_i, and the argmax follows. Rows advance by
+different amounts; rejected positions are rolled back in both models' KV.
+
+Tokens emitted beyond what the level above asked for are buffered in `seq` (surplus). The
+log-probability handed upward is the verifier's own log_softmax(ℓ/T) at each emitted token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hsmc.engine.sampler import gumbel_noise
+from hsmc.levels.base import Level, Proposal, SequenceState, last_outputs
+
+
+class RejectionLevel:
+    def __init__(
+        self,
+        state: SequenceState,
+        drafter: Level,
+        num_draft_tokens: int,
+        temperature: float,
+        generator: torch.Generator,
+    ) -> None:
+        self.state = state
+        self.drafter = drafter
+        self.gamma = num_draft_tokens
+        self.temperature = temperature
+        self.generator = generator
+        max_rows, capacity = state.seq.shape
+        self.seq_logq = torch.zeros(max_rows, capacity, dtype=torch.float32, device=state.seq.device)
+        self.acknowledged = torch.zeros(max_rows, dtype=torch.int64, device=state.seq.device)
+        self.cycles = 0
+        self.emitted = 0
+
+    def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
+        self.state.load_prompts(rows, prompts)
+        self.drafter.load_prompts(rows, prompts)
+        self.acknowledged[rows] = self.state.seq_len[rows]
+
+    def prefill(self, rows: torch.Tensor) -> None:
+        self.drafter.prefill(rows)
+        self.state.forward(rows, self.state.seq_len[rows] - 1)
+
+    def propose(self, rows: torch.Tensor, k: int) -> Proposal:
+        """Run cycles until every row has k unacknowledged tokens; return the first k of them."""
+        while True:
+            short = (self.state.seq_len[rows] - self.acknowledged[rows]) < k
+            if not bool(short.any()):
+                break
+            self._cycle(rows[short])
+        cols = self.acknowledged[rows][:, None] + torch.arange(k, device=rows.device)
+        return Proposal(
+            tokens=self.state.seq[rows[:, None], cols],
+            logq=self.seq_logq[rows[:, None], cols],
+            logprobs=None,  # not kept: validation keeps a rejection level from drafting for another
+        )
+
+    def commit(self, rows: torch.Tensor, n: int) -> None:
+        self.acknowledged[rows] += n
+
+    def accept(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None:
+        self.state.truncate(rows, keep_len, next_token)
+        self.drafter.accept(rows, keep_len, next_token)
+        self.acknowledged[rows] = keep_len + 1
+
+    def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        logq, ack = self.seq_logq[src_rows].clone(), self.acknowledged[src_rows].clone()
+        self.state.fork(src_rows, dst_rows)
+        self.drafter.fork(src_rows, dst_rows)
+        self.seq_logq[dst_rows], self.acknowledged[dst_rows] = logq, ack
+
+    def release(self, rows: torch.Tensor) -> None:
+        self.state.release(rows)
+        self.drafter.release(rows)
+
+    def reset_stats(self) -> None:
+        self.state.forward_seconds = 0.0
+        self.cycles = self.emitted = 0
+
+    def stats(self) -> dict[str, float]:
+        cycles = max(self.cycles, 1)
+        return {"mean_accepted_length": self.emitted / cycles, "forward_seconds": self.state.forward_seconds}
+
+    def _cycle(self, rows: torch.Tensor) -> None:
+        gamma = self.gamma
+        draft = self.drafter.propose(rows, gamma)
+        base = self.state.seq_len[rows].clone()
+        self.state.append(rows, draft.tokens)
+        logits, count = self.state.forward(rows)
+        p_logits = last_outputs(logits, count, gamma + 1).float()  # p_1..p_{γ+1}
+        accepted, token = self._verify(draft, p_logits)
+        if self.temperature == 0:
+            emitted_logq = torch.zeros(len(rows), gamma + 1, device=rows.device)
+        else:
+            logp = torch.log_softmax(p_logits / self.temperature, -1)
+            chosen = torch.cat([draft.tokens, draft.tokens[:, :1]], 1)
+            chosen.scatter_(1, accepted[:, None], token[:, None])
+            emitted_logq = logp.gather(-1, chosen[..., None]).squeeze(-1)
+        cols = base[:, None] + torch.arange(gamma + 1, device=rows.device)
+        self.seq_logq[rows[:, None], cols] = emitted_logq
+        keep_len = base + accepted
+        self.state.truncate(rows, keep_len, token)
+        self.drafter.accept(rows, keep_len, token)
+        self.cycles += len(rows)
+        self.emitted += int(accepted.sum()) + len(rows)
+
+    def _verify(self, draft: Proposal, p_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Number of kept drafts per row [R] and the token that follows them [R]."""
+        gamma = draft.tokens.shape[1]
+        rows = torch.arange(len(draft.tokens), device=draft.tokens.device)
+        if self.temperature == 0:
+            greedy = p_logits.argmax(-1)  # [R, γ+1]
+            keep = (greedy[:, :gamma] == draft.tokens).to(torch.int64)
+            accepted = keep.cumprod(1).sum(1)
+            return accepted, greedy[rows, accepted]
+        p = torch.softmax(p_logits / self.temperature, -1)
+        if draft.logprobs is None:  # deterministic drafts: q is one-hot at the draft
+            q = torch.zeros_like(p[:, :gamma]).scatter_(-1, draft.tokens[..., None], 1.0)
+        else:
+            q = draft.logprobs.float().exp()
+        p_d = p[:, :gamma].gather(-1, draft.tokens[..., None]).squeeze(-1)
+        q_d = q.gather(-1, draft.tokens[..., None]).squeeze(-1)
+        uniform = torch.rand(p_d.shape, generator=self.generator, device=p_d.device)
+        keep = (uniform * q_d < p_d).to(torch.int64)  # u < min(1, p/q)
+        accepted = keep.cumprod(1).sum(1)
+        # residual at the first rejection, or p_{γ+1} when every draft was kept
+        q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
+        residual = (p - q_pad).clamp_min(0)[rows, accepted]
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, accepted])
+        token = (residual.log() + gumbel_noise(residual.shape, self.generator, residual.device)).argmax(-1)
+        return accepted, token

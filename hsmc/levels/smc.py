@@ -1,0 +1,215 @@
+"""`smc` level: SMC speculative decoding against a target model (DESIGN.md §3), top of a stack.
+
+A request is a group of N particles (rows). The target prefills the prompt once, draws x0 from
+softmax(α·ℓ/T_t), and the prompt KV fans out to all particles by refcount. Each cycle the level
+below proposes K tokens per particle, ONE target forward scores [seed, d_1..d_K], the bonus is
+drawn from softmax(α·L_K/T_t), log-weights (float64) grow by `weight_increments`, and a group
+whose ESS falls under τ·N is resampled (systematic by default): every level forks its row state
+dst ← src (block tables and refcounts, no KV bytes). When all particles of a group have finished
+(stop token or max_new_tokens) one is returned, drawn ∝ exp(logw) (or the argmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hsmc.engine.sampler import gumbel_noise, sample
+from hsmc.levels.base import Level, SequenceState, last_outputs
+from hsmc.smc.resampling import multinomial_ancestors, select_particle, systematic_ancestors
+from hsmc.smc.weights import effective_sample_size, weight_increments
+
+
+@dataclass(frozen=True)
+class SMCParams:
+    particles: int
+    block_size: int
+    alpha: float
+    temperature: float
+    ess_threshold: float
+    resampling: str
+    selection: str
+
+
+@dataclass
+class GroupResult:
+    token_ids: list[int]
+    finish_reason: str
+    log_weights: list[float]  # of every particle at the end (since the last resampling)
+
+
+class SMCLevel:
+    def __init__(self, state: SequenceState, proposal: Level, params: SMCParams, generator: torch.Generator) -> None:
+        self.state = state
+        self.proposal = proposal
+        self.params = params
+        self.generator = generator
+        self.cycles = 0
+        self.ess_sum = 0.0
+        self.resamples = 0
+
+    def reset_stats(self) -> None:
+        self.state.forward_seconds = 0.0
+        self.cycles = self.resamples = 0
+        self.ess_sum = 0.0
+
+    def stats(self) -> dict[str, float]:
+        group_cycles = max(self.cycles, 1)
+        return {
+            "mean_ess_fraction": self.ess_sum / group_cycles,
+            "resample_rate": self.resamples / group_cycles,
+            "forward_seconds": self.state.forward_seconds,
+        }
+
+    def _levels_release(self, rows: torch.Tensor) -> None:
+        self.state.release(rows)
+        self.proposal.release(rows)
+
+    def run(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stop: set[int],
+        on_finish: Callable[[int], None] | None = None,
+    ) -> list[GroupResult]:
+        """Decode one wave: prompt g uses rows g*N .. g*N+N-1."""
+        p = self.params
+        n, k = p.particles, p.block_size
+        device = self.state.seq.device
+        groups = len(prompts)
+        rows = torch.arange(groups * n, device=device).view(groups, n)
+        first = rows[:, 0]
+        self.state.load_prompts(first, prompts)
+        self.proposal.load_prompts(first, prompts)
+        # prefill: the target sees the whole prompt and draws x0; the proposal keeps its last token pending
+        logits, count = self.state.forward(first)
+        x0, _ = sample(p.alpha * last_outputs(logits, count, 1)[:, 0], p.temperature, self.generator)
+        prompt_len = self.state.seq_len[first].clone()
+        self.state.append(first, x0[:, None])
+        self.proposal.prefill(first)
+        self.proposal.accept(first, prompt_len, x0)
+        others = rows[:, 1:].reshape(-1)
+        if others.numel():
+            self.state.fork(first.repeat_interleave(n - 1), others)
+            self.proposal.fork(first.repeat_interleave(n - 1), others)
+
+        tokens = [[[t] for _ in range(n)] for t in x0.tolist()]  # [group][particle] generated ids
+        finished = [[t in stop or max_new_tokens <= 1 for _ in range(n)] for t in x0.tolist()]
+        reason = [["stop" if t in stop else "length" for _ in range(n)] for t in x0.tolist()]
+        logw = torch.zeros(groups, n, dtype=torch.float64, device=device)
+        eos = torch.tensor(sorted(stop), dtype=torch.int64, device=device)
+        done_groups: set[int] = set()
+        self._release_finished(rows, finished)
+        try:
+            while True:
+                for g in range(groups):
+                    if g not in done_groups and all(finished[g]):
+                        done_groups.add(g)
+                        if on_finish:
+                            on_finish(g)
+                active = [(g, i) for g in range(groups) for i in range(n) if not finished[g][i]]
+                if not active:
+                    break
+                act_rows = torch.tensor([int(rows[g, i]) for g, i in active], device=device)
+                delta, new_tokens = self._cycle(act_rows, k, eos)
+                for (g, i), d, toks in zip(active, delta.tolist(), new_tokens):
+                    logw[g, i] += d
+                    room = max_new_tokens - len(tokens[g][i])
+                    tokens[g][i] += toks[:room]
+                    if toks[-1] in stop and len(toks) <= room:
+                        finished[g][i], reason[g][i] = True, "stop"
+                    elif len(toks) >= room:
+                        finished[g][i], reason[g][i] = True, "length"
+                live = sorted({g for g, _ in active})
+                self._release_finished(rows[live], [finished[g] for g in live])
+                self._maybe_resample(live, rows, logw, tokens, finished, reason)
+            gumbel = gumbel_noise(logw.shape, self.generator, device).double()
+            chosen = select_particle(logw, p.selection, gumbel).tolist()
+            return [GroupResult(tokens[g][c], reason[g][c], logw[g].tolist()) for g, c in enumerate(chosen)]
+        finally:
+            self._levels_release(rows.reshape(-1))
+
+    def _cycle(self, rows: torch.Tensor, k: int, eos: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
+        """One SMC cycle for active particle rows: returns weight increments and new tokens (to EOS)."""
+        p = self.params
+        base = self.state.seq_len[rows].clone()  # seq ends with the seed (last bonus / x0)
+        if k:
+            prop = self.proposal.propose(rows, k)
+            draft, logq = prop.tokens, prop.logq
+            self.state.append(rows, draft)
+        else:
+            draft = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)
+            logq = torch.zeros(len(rows), 0, device=rows.device)
+        logits, count = self.state.forward(rows)
+        target = last_outputs(logits, count, k + 1).float()  # L_0..L_K
+        bonus, _ = sample(p.alpha * target[:, k], p.temperature, self.generator)
+        no = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
+        delta = weight_increments(target, draft, logq, bonus, no, eos, p.alpha, p.temperature)
+        keep_len = base + k
+        self.state.truncate(rows, keep_len, bonus)
+        if k:
+            self.proposal.accept(rows, keep_len, bonus)
+        new = torch.cat([draft, bonus[:, None]], 1).tolist()
+        stop = set(eos.tolist())
+        cut = [next((j + 1 for j, t in enumerate(toks) if t in stop), len(toks)) for toks in new]
+        return delta, [toks[:c] for toks, c in zip(new, cut)]
+
+    def _release_finished(self, rows: torch.Tensor, finished: list[list[bool]]) -> None:
+        """Finished particles keep their tokens and weight but need no KV."""
+        done = rows[torch.tensor(finished, dtype=torch.bool, device=rows.device)]
+        if done.numel():
+            self._levels_release(done)
+
+    def _maybe_resample(
+        self,
+        live: list[int],
+        rows: torch.Tensor,
+        logw: torch.Tensor,
+        tokens: list[list[list[int]]],
+        finished: list[list[bool]],
+        reason: list[list[str]],
+    ) -> None:
+        """Resample the live groups whose ESS fell under τ·N; host lists are updated in place."""
+        p = self.params
+        n = p.particles
+        if not live:
+            return
+        ess = effective_sample_size(logw[live])
+        self.cycles += len(live)
+        self.ess_sum += float((ess / n).sum())
+        if n < 2 or p.ess_threshold <= 0:
+            return
+        low = [g for g, e in zip(live, ess.tolist()) if e < p.ess_threshold * n]
+        if not low:
+            return
+        self.resamples += len(low)
+        if p.resampling == "systematic":
+            u = torch.rand(len(low), generator=self.generator, device=logw.device, dtype=torch.float64)
+            ancestors = systematic_ancestors(logw[low], u)
+        else:
+            u = torch.rand(len(low), n, generator=self.generator, device=logw.device, dtype=torch.float64)
+            ancestors = multinomial_ancestors(logw[low], u)
+        fork_src, fork_dst, dead = [], [], []
+        for g, anc in zip(low, ancestors.tolist()):
+            snap = [(list(tokens[g][a]), finished[g][a], reason[g][a]) for a in anc]
+            for i, a in enumerate(anc):
+                if a == i:
+                    continue
+                if finished[g][a]:
+                    if not finished[g][i]:
+                        dead.append(int(rows[g, i]))
+                else:
+                    fork_src.append(int(rows[g, a]))
+                    fork_dst.append(int(rows[g, i]))
+            for i, (toks, fin, why) in enumerate(snap):
+                tokens[g][i], finished[g][i], reason[g][i] = toks, fin, why
+            logw[g] = 0
+        device = logw.device
+        if fork_src:
+            src, dst = torch.tensor(fork_src, device=device), torch.tensor(fork_dst, device=device)
+            self.state.fork(src, dst)
+            self.proposal.fork(src, dst)
+        if dead:
+            self._levels_release(torch.tensor(dead, device=device))

@@ -1,0 +1,89 @@
+"""Build a level stack from a validated config: load each model once, wire each level to the one below."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hsmc.config import ConfigError, HsmcConfig, LevelConfig
+from hsmc.levels.base import Level, SequenceState
+from hsmc.levels.model import ModelLevel
+from hsmc.levels.rejection import RejectionLevel
+from hsmc.levels.smc import SMCLevel, SMCParams
+from hsmc.models.loading import LoadedModel, load_model
+
+
+@dataclass
+class Stack:
+    levels: list[Any]  # ModelLevel | RejectionLevel | SMCLevel, bottom to top
+    configs: list[LevelConfig]
+    tokenizer: Any | None
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator
+
+    @property
+    def top(self) -> Any:
+        return self.levels[-1]
+
+    @property
+    def is_smc(self) -> bool:
+        return isinstance(self.top, SMCLevel)
+
+    @property
+    def rows_per_prompt(self) -> int:
+        return self.top.params.particles if self.is_smc else 1
+
+    @property
+    def lookahead(self) -> int:
+        """Tokens a row may hold past its output before they are rejected or returned."""
+        rejection = sum(c.num_draft_tokens + 1 for c in self.configs if c.kind == "rejection")
+        return rejection + sum(c.block_size + 1 for c in self.configs if c.kind == "smc")
+
+
+def build_stack(cfg: HsmcConfig) -> Stack:
+    device = torch.device(cfg.engine.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"engine.device={cfg.engine.device!r} but no CUDA device is available")
+    generator = torch.Generator(device).manual_seed(cfg.generation.seed)
+    loaded: dict[tuple[str, str, int | None], LoadedModel] = {}
+    levels: list[Any] = []
+    for lc in cfg.levels:
+        key = (lc.model, lc.dtype, lc.num_layers)
+        if key not in loaded:
+            loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers)
+        state = SequenceState(loaded[key].model, cfg.engine.max_batch_rows, cfg.engine.kv_capacity_tokens, device)
+        below: Level | None = levels[-1] if levels else None
+        if lc.kind == "model":
+            levels.append(ModelLevel(state, lc.temperature, generator))
+        elif lc.kind == "rejection":
+            levels.append(RejectionLevel(state, below, lc.num_draft_tokens, lc.temperature, generator))
+        else:
+            params = SMCParams(
+                lc.particles, lc.block_size, lc.alpha, lc.temperature, lc.ess_threshold, lc.resampling, lc.selection
+            )
+            levels.append(SMCLevel(state, below, params, generator))
+    models = [loaded[(lc.model, lc.dtype, lc.num_layers)] for lc in cfg.levels]
+    _check_same_vocabulary(cfg.levels, models)
+    tokenizer = next((m.tokenizer for m in reversed(models) if m.tokenizer is not None), None)
+    return Stack(levels, list(cfg.levels), tokenizer, models[-1].model.config.eos_token_ids, generator)
+
+
+def _check_same_vocabulary(configs: list[LevelConfig], models: list[LoadedModel]) -> None:
+    """Levels exchange token ids, so every model must use the same vocabulary."""
+    top = models[-1]
+    for i, (lc, m) in enumerate(zip(configs, models)):
+        if m.model.config.vocab_size != top.model.config.vocab_size:
+            raise ConfigError(
+                f"levels[{i}].model={lc.model!r} has vocab_size {m.model.config.vocab_size}, but the top level "
+                f"{configs[-1].model!r} has {top.model.config.vocab_size}: levels must share one vocabulary"
+            )
+        if (
+            m.tokenizer is not None
+            and top.tokenizer is not None
+            and m.tokenizer.get_vocab() != top.tokenizer.get_vocab()
+        ):
+            raise ConfigError(
+                f"levels[{i}].model={lc.model!r} uses a different tokenizer than the top level {configs[-1].model!r}"
+            )
