@@ -65,7 +65,7 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
+def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> Path:
     """Save a randomly initialised tiny model of `arch` with transformers' own classes.
 
     Every parameter is drawn at a scale that makes logits far from uniform (norm weights near 1),
@@ -73,7 +73,7 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(**TINY_CONFIGS[arch])
+    cfg = AutoConfig.for_model(**{**TINY_CONFIGS[arch], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

@@ -1,0 +1,137 @@
+"""`rejection` level: greedy equality with the verifier, and losslessness in distribution."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from helpers import assert_pools_empty
+from scipy.stats import chisquare
+
+from hsmc.decoder import HierarchicalDecoder
+
+VOCAB = 6
+
+
+def _stack(draft, target, draft_t, target_t, gamma=3, draft_layers=None, **engine):
+    return HierarchicalDecoder.from_config(
+        {
+            "levels": [
+                {"kind": "model", "model": str(draft), "temperature": draft_t, "num_layers": draft_layers},
+                {"kind": "rejection", "model": str(target), "temperature": target_t, "num_draft_tokens": gamma},
+            ],
+            "engine": {"kv_capacity_tokens": 4096, **engine},
+        }
+    )
+
+
+@torch.no_grad()
+def _hf_greedy(path, prompt, n, ignore_eos=True):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    at_least = n if ignore_eos else 0
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=at_least, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two different random models sharing a vocabulary: drafts are often, not always, right."""
+    root = tmp_path_factory.mktemp("pair")
+    return make_tiny_model("llama", root / "draft", seed=1), make_tiny_model("llama", root / "target", seed=2)
+
+
+@pytest.mark.parametrize("draft_t", [0.0, 1.0])
+def test_temperature_zero_equals_verifier_greedy(pair, draft_t):
+    _, target = pair
+    decoder = _stack(target, target, draft_t, 0.0, gamma=4, draft_layers=3)  # a layer-truncated self-draft
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3]]
+    results = decoder.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == _hf_greedy(target, prompt, 24)
+    accepted = results[0].stats["levels"][1]["mean_accepted_length"]
+    assert 1.0 < accepted < 5.0, "drafts should be partly accepted (ragged rows)"
+    assert_pools_empty(decoder)
+
+
+def test_self_draft_is_always_accepted(pair):
+    _, target = pair
+    decoder = _stack(target, target, 0.0, 0.0, gamma=3)
+    result = decoder.generate([[5, 9, 13]], max_new_tokens=16, ignore_eos=True)[0]
+    assert result.token_ids == _hf_greedy(target, [5, 9, 13], 16)
+    assert result.stats["levels"][1]["mean_accepted_length"] == pytest.approx(4.0)
+
+
+@pytest.mark.slow
+def test_smollm2_truncated_draft_greedy_equals_full_model(smollm2_dir):
+    from hsmc.models.tokenizer import encode_prompt
+    from test_generation import CHAT_PROMPTS
+
+    decoder = HierarchicalDecoder.from_config(
+        {
+            "levels": [
+                {"kind": "model", "model": str(smollm2_dir), "num_layers": 12},
+                {"kind": "rejection", "model": str(smollm2_dir), "num_draft_tokens": 4},
+            ],
+            "engine": {"kv_capacity_tokens": 2048},
+        }
+    )
+    results = decoder.generate(CHAT_PROMPTS, max_new_tokens=32)
+    for prompt, result in zip(CHAT_PROMPTS, results):
+        ids = encode_prompt(decoder.tokenizer, prompt, chat_template=True)
+        assert result.token_ids == _hf_greedy(smollm2_dir, ids, 32, ignore_eos=False)
+    assert_pools_empty(decoder)
+
+
+def _exact_first_tokens(path, prompt, n, temperature=1.0) -> dict[tuple[int, ...], float]:
+    """Exact probability of every length-n continuation under the model at `temperature`."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    seqs = list(itertools.product(range(VOCAB), repeat=n))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(ids).logits.double() / temperature, -1)
+    probs = {}
+    for row, s in enumerate(seqs):
+        probs[s] = sum(logp[row, len(prompt) - 1 + j, t].item() for j, t in enumerate(s))
+    return {s: float(torch.tensor(v).exp()) for s, v in probs.items()}
+
+
+def _chi2_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    """Chi-square on cells pooled so that every expected count is >= 5."""
+    n = len(samples)
+    counts = {s: 0 for s in exact}
+    for s in samples:
+        counts[s] += 1
+    big = [s for s in exact if exact[s] * n >= 5]
+    small = [s for s in exact if exact[s] * n < 5]
+    observed = [counts[s] for s in big] + [sum(counts[s] for s in small)]
+    expected = [exact[s] for s in big] + [sum(exact[s] for s in small)]
+    return chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    return (
+        make_tiny_model("llama", root / "draft", seed=3, vocab_size=VOCAB, eos_token_id=5),
+        make_tiny_model("llama", root / "target", seed=4, vocab_size=VOCAB, eos_token_id=5),
+    )
+
+
+@pytest.mark.parametrize("draft_t", [0.7, 0.0], ids=["sampled-drafts", "deterministic-drafts"])
+def test_lossless_in_distribution(small_vocab_pair, draft_t):
+    draft, target = small_vocab_pair
+    prompt, n_samples = [1, 4, 2], 20_000
+    decoder = _stack(draft, target, draft_t, 1.0, gamma=2, max_batch_rows=2500)
+    results = decoder.generate([prompt] * n_samples, max_new_tokens=3, ignore_eos=True, seed=11)
+    samples = [tuple(r.token_ids) for r in results]
+    exact = _exact_first_tokens(target, prompt, 3)
+    assert _chi2_pvalue(samples, exact) > 1e-3
+    # the test has power: the drafter's own distribution is told apart from the target's
+    assert _chi2_pvalue(samples, _exact_first_tokens(draft, prompt, 3, max(draft_t, 1.0))) < 1e-6
+    assert_pools_empty(decoder)
