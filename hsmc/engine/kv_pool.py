@@ -81,9 +81,15 @@ class BlockTables:
         self.length = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self._positions = torch.arange(max_row_tokens, device=device)
 
-    def _owned(self, rows: torch.Tensor) -> torch.Tensor:
-        """Mask [R, max_row_tokens] of the table entries rows currently own."""
-        return self._positions[None, :] < self.length[rows][:, None]
+    def _owned(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' table prefix [R, W] up to their longest length, and the mask of owned entries.
+
+        Reads W on the host: release and fork run once per request or resampling, not per token,
+        and scanning only W columns instead of the whole table is what keeps them cheap.
+        """
+        length = self.length[rows]
+        width = int(length.max()) if rows.numel() else 0
+        return self.table[rows, :width], self._positions[None, :width] < length[:, None]
 
     def append(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """Allocate `n` new slots at the end of each row; returns them as [R, n]."""
@@ -110,16 +116,18 @@ class BlockTables:
 
     def release(self, rows: torch.Tensor) -> None:
         """Give up every slot of `rows`; they become empty rows."""
-        self.allocator.dec_ref_and_free(self.table[rows][self._owned(rows)])
+        table, owned = self._owned(rows)
+        self.allocator.dec_ref_and_free(table[owned])
         self.length[rows] = 0
 
     def copy_block_table(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """dst[i] becomes a copy of src[i], sharing its slots. Safe when src and dst overlap
         (a resampling permutation): the sources are read and referenced before dst lets go."""
-        table, length = self.table[src_rows], self.length[src_rows]
-        self.allocator.inc_ref(table[self._positions[None, :] < length[:, None]])
+        table, owned = self._owned(src_rows)
+        length = self.length[src_rows]
+        self.allocator.inc_ref(table[owned])
         self.release(dst_rows)
-        self.table[dst_rows] = table
+        self.table[dst_rows, : table.shape[1]] = table
         self.length[dst_rows] = length
 
 
@@ -131,9 +139,8 @@ def check_invariants(allocator: SlotAllocator, tables: list[BlockTables]) -> Non
     """
     owners = torch.zeros(allocator.num_slots, dtype=torch.int64, device=allocator.device)
     for bt in tables:
-        rows = torch.arange(bt.max_rows, device=bt.table.device)
-        owned = bt.table[bt._owned(rows)]
-        owners += torch.bincount(owned, minlength=allocator.num_slots)
+        table, owned = bt._owned(torch.arange(bt.max_rows, device=bt.table.device))
+        owners += torch.bincount(table[owned], minlength=allocator.num_slots)
     bad = torch.nonzero(owners != allocator.refcount.to(torch.int64)).flatten()
     if bad.numel():
         s = int(bad[0])

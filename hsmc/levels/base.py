@@ -110,9 +110,10 @@ class SequenceState:
         return logits, count
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        seq, seq_len = self.seq[src_rows].clone(), self.seq_len[src_rows].clone()
+        seq_len = self.seq_len[src_rows].clone()
+        seq = self.seq[src_rows, : int(seq_len.max())]  # advanced indexing copies: safe for overlapping rows
         self.tables.copy_block_table(src_rows, dst_rows)
-        self.seq[dst_rows], self.seq_len[dst_rows] = seq, seq_len
+        self.seq[dst_rows, : seq.shape[1]], self.seq_len[dst_rows] = seq, seq_len
 
     def release(self, rows: torch.Tensor) -> None:
         self.tables.release(rows)

@@ -71,10 +71,11 @@ class RejectionLevel:
         self.acknowledged[rows] = keep_len + 1
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        logq, ack = self.seq_logq[src_rows].clone(), self.acknowledged[src_rows].clone()
+        width = int(self.state.seq_len[src_rows].max())
+        logq, ack = self.seq_logq[src_rows, :width], self.acknowledged[src_rows].clone()
         self.state.fork(src_rows, dst_rows)
         self.drafter.fork(src_rows, dst_rows)
-        self.seq_logq[dst_rows], self.acknowledged[dst_rows] = logq, ack
+        self.seq_logq[dst_rows, :width], self.acknowledged[dst_rows] = logq, ack
 
     def release(self, rows: torch.Tensor) -> None:
         self.state.release(rows)
