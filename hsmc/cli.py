@@ -45,15 +45,17 @@ def _generate(args: argparse.Namespace) -> None:
         print(f"### {prompt}\n{result.text}\n")
     total_tokens = sum(r.stats["new_tokens"] for r in results)
     seconds = max(r.stats["seconds"] for r in results)
-    level = decoder.config.levels[0]
     print(f"{'prompt':>6} {'new tokens':>10} {'finish':>7} {'seconds':>8} {'tok/s':>8}")
     for i, r in enumerate(results):
         s = r.stats
         print(f"{i:>6} {s['new_tokens']:>10} {r.finish_reason:>7} {s['seconds']:>8.2f} {s['tokens_per_s']:>8.1f}")
+    print(f"{'total':>6} {total_tokens:>10} {'':>7} {seconds:>8.2f} {total_tokens / seconds:>8.1f}")
     print(
-        f"{'total':>6} {total_tokens:>10} {'':>7} {seconds:>8.2f} {total_tokens / seconds:>8.1f}   "
-        f"[{level.kind} {level.model}, T={level.temperature}, {decoder.config.engine.device}; load {load_seconds:.1f}s]"
+        f"\n{'level':<10} {'model':<28} {'time':>5}  stats   (device {decoder.config.engine.device}, load {load_seconds:.1f}s)"
     )
+    for level in results[0].stats["levels"]:
+        extra = ", ".join(f"{k} {v:.2f}" for k, v in level.items() if k not in ("kind", "model", "share_of_time"))
+        print(f"{level['kind']:<10} {level['model'][-28:]:<28} {level['share_of_time']:>5.0%}  {extra}")
 
 
 def main(argv: list[str] | None = None) -> int:

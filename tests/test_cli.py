@@ -17,6 +17,7 @@ def test_generate_demo_config_prints_answers_and_stats(capsys, smollm2_dir):
     out = capsys.readouterr().out
     assert "The capital of France is Paris." in out
     assert "tok/s" in out and "total" in out
+    assert "mean_accepted_length" in out and "resample_rate" in out  # per-level stats of the 3-level stack
 
 
 @pytest.mark.slow

@@ -67,8 +67,9 @@ def test_self_draft_is_always_accepted(pair):
 
 @pytest.mark.slow
 def test_smollm2_truncated_draft_greedy_equals_full_model(smollm2_dir):
-    from hsmc.models.tokenizer import encode_prompt
     from test_generation import CHAT_PROMPTS
+
+    from hsmc.models.tokenizer import encode_prompt
 
     decoder = HierarchicalDecoder.from_config(
         {

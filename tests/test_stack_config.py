@@ -1,0 +1,72 @@
+"""Level-stack configuration: every shipped config validates; bad stacks fail naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_model
+
+from hsmc.config import ConfigError, load_config
+from hsmc.decoder import HierarchicalDecoder
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.levels[0].kind == "model"
+
+
+def test_headline_config_is_the_three_level_stack():
+    cfg = load_config(CONFIGS[0].parent / "qwen3_32b.yaml")
+    assert [lc.kind for lc in cfg.levels] == ["model", "rejection", "smc"]
+    assert [lc.model for lc in cfg.levels][1:] == ["Qwen/Qwen3-8B", "Qwen/Qwen3-32B"]
+
+
+def _levels(*levels):
+    return {"levels": list(levels)}
+
+
+M = {"kind": "model", "model": "m", "temperature": 1.0}
+
+
+@pytest.mark.parametrize(
+    "cfg,message",
+    [
+        (_levels({"kind": "smc", "model": "m", "temperature": 1.0}), r"levels\[0\].kind='smc': the bottom level"),
+        (_levels({"kind": "rejection", "model": "m"}), r"levels\[0\].kind='rejection': the bottom level"),
+        (_levels(M, {"kind": "smc", "model": "t", "temperature": 1.0}, M), r"levels\[1\].kind='smc' must be the top"),
+        (_levels({**M, "temperature": 0.0}, {"kind": "smc", "model": "t", "temperature": 1.0}), "temperature > 0"),
+        (_levels(M, {"kind": "smc", "model": "t", "temperature": 1.0, "particles": 0}), r"levels\[1\].particles"),
+        (_levels(M, {"kind": "smc", "model": "t", "temperature": 1.0, "block_size": -1}), r"levels\[1\].block_size"),
+        (_levels(M, {"kind": "smc", "model": "t", "temperature": 1.0, "alpha": 0}), r"levels\[1\].alpha"),
+        (_levels(M, {"kind": "smc", "model": "t", "temperature": 0.0}), r"levels\[1\].temperature must be positive"),
+        (_levels(M, {"kind": "smc", "model": "t", "temperature": 1.0, "resampling": "stratified"}), "resampling"),
+        (_levels(M, {"kind": "rejection", "model": "t", "num_draft_tokens": 0}), r"levels\[1\].num_draft_tokens"),
+        (_levels(M, {"kind": "rejection", "model": "t"}, {"kind": "rejection", "model": "u"}), "directly below"),
+        (_levels({**M, "num_layers": 0}), r"levels\[0\].num_layers"),
+    ],
+)
+def test_invalid_stacks(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(cfg)
+
+
+def test_models_with_different_vocabularies_are_refused(tmp_path):
+    a = make_tiny_model("llama", tmp_path / "a")
+    b = make_tiny_model("qwen3", tmp_path / "b")  # 89 tokens vs 101
+    with pytest.raises(ConfigError, match=r"levels\[0\].model=.*vocab_size 101.*89"):
+        HierarchicalDecoder.from_config(
+            _levels({"model": str(a), "temperature": 1.0}, {"kind": "rejection", "model": str(b)})
+        )
+
+
+def test_layer_truncated_draft_loads_the_first_layers(tmp_path):
+    path = make_tiny_model("qwen3", tmp_path / "m")
+    decoder = HierarchicalDecoder.from_config(_levels({"model": str(path), "num_layers": 2}))
+    model = decoder.stack.levels[0].state.model
+    assert model.config.num_layers == 2 and len(model.model.layers) == 2
+    with pytest.raises(Exception, match="num_layers=9 but the model has 6 layers"):
+        HierarchicalDecoder.from_config(_levels({"model": str(path), "num_layers": 9}))
