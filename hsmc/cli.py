@@ -51,7 +51,8 @@ def _generate(args: argparse.Namespace) -> None:
         print(f"{i:>6} {s['new_tokens']:>10} {r.finish_reason:>7} {s['seconds']:>8.2f} {s['tokens_per_s']:>8.1f}")
     print(f"{'total':>6} {total_tokens:>10} {'':>7} {seconds:>8.2f} {total_tokens / seconds:>8.1f}")
     print(
-        f"\n{'level':<10} {'model':<28} {'time':>5}  stats   (device {decoder.config.engine.device}, load {load_seconds:.1f}s)"
+        f"\n{'level':<10} {'model':<28} {'time':>5}  stats"
+        f"   (device {decoder.config.engine.device}, load {load_seconds:.1f}s)"
     )
     for level in results[0].stats["levels"]:
         extra = ", ".join(f"{k} {v:.2f}" for k, v in level.items() if k not in ("kind", "model", "share_of_time"))

@@ -71,7 +71,8 @@ def check_tiny() -> None:
         cuda = HierarchicalDecoder.from_config(cfg).generate(prompts, max_new_tokens=24, ignore_eos=True)
         same = all(a.token_ids == b.token_ids for a, b in zip(cpu, cuda))
         print(
-            f"tiny {arch:6s}: ragged batch max|logit diff| CUDA vs transformers CPU {err:.2e}; greedy CUDA == CPU: {same}"
+            f"tiny {arch:6s}: ragged batch max|logit diff| CUDA vs transformers CPU {err:.2e}; "
+            f"greedy CUDA == CPU: {same}"
         )
 
 
