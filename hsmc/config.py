@@ -42,6 +42,7 @@ class LevelConfig:
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)  # stop strings: generation ends when the text contains one
     ignore_eos: bool = False
     seed: int = 0
     chat_template: bool = True

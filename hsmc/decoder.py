@@ -20,6 +20,7 @@ from hsmc.config import ConfigError, GenerationConfig, HsmcConfig, load_config, 
 from hsmc.engine.scheduler import plan_waves
 from hsmc.levels.stack import build_stack
 from hsmc.models.tokenizer import encode_prompt
+from hsmc.stopping import StopCriteria
 
 
 @dataclass
@@ -57,7 +58,10 @@ class HierarchicalDecoder:
         ids = [encode_prompt(self.tokenizer, p, gen.chat_template) for p in prompts]
         if not ids or any(len(i) == 0 for i in ids):
             raise ValueError("every prompt needs at least one token")
-        stop = set() if gen.ignore_eos else set(self.stack.eos_token_ids)
+        if gen.stop and self.tokenizer is None:
+            raise ConfigError("generation.stop needs a tokenizer, and this model folder ships none")
+        eos = frozenset() if gen.ignore_eos else frozenset(self.stack.eos_token_ids)
+        stop = StopCriteria(eos, tuple(gen.stop), self.tokenizer)
         self.stack.generator.manual_seed(gen.seed)
         for level in self.stack.levels:
             level.reset_stats()
@@ -91,7 +95,7 @@ class HierarchicalDecoder:
         results = []
         for i, c in enumerate(completions):
             seconds = finished_at[i]
-            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            text = stop.trim(self.tokenizer.decode(c.token_ids, skip_special_tokens=True)) if self.tokenizer else ""
             stats = {
                 "new_tokens": len(c.token_ids),
                 "seconds": seconds,
@@ -102,7 +106,7 @@ class HierarchicalDecoder:
         return results
 
     def _stream_wave(
-        self, prompts: list[list[int]], max_new_tokens: int, stop: set[int], finished: Callable[[int], None]
+        self, prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria, finished: Callable[[int], None]
     ) -> list[Completion]:
         """Decode rows from a non-SMC top level, one acknowledged token per row and step."""
         top = self.stack.top
@@ -119,10 +123,12 @@ class HierarchicalDecoder:
                 top.commit(act_rows, 1)
                 still, done = [], []
                 for i, tok in zip(active, tokens):
-                    completions[i].token_ids.append(tok)
-                    if tok in stop:
+                    generated = completions[i].token_ids
+                    generated.append(tok)
+                    stopped = stop.first_stop(generated, len(generated) - 1) is not None
+                    if stopped:
                         completions[i].finish_reason = "stop"
-                    if tok in stop or len(completions[i].token_ids) == max_new_tokens:
+                    if stopped or len(generated) == max_new_tokens:
                         finished(i)
                         done.append(i)
                     else:

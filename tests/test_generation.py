@@ -76,3 +76,18 @@ def test_sampling_is_reproducible_from_seed(tmp_path):
     c = decoder.generate(prompts, max_new_tokens=16, seed=4, ignore_eos=True)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert [r.token_ids for r in a] != [r.token_ids for r in c]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", ["model", "smc"])
+def test_stop_strings_end_generation_and_trim_the_text(smollm2_dir, stack):
+    levels = [{"model": str(smollm2_dir), "temperature": 0.0 if stack == "model" else 0.5}]
+    if stack == "smc":
+        levels.append({"kind": "smc", "model": str(smollm2_dir), "temperature": 0.5, "particles": 2, "block_size": 3})
+    decoder = HierarchicalDecoder.from_config({"levels": levels, "generation": {"stop": ["Paris"]}})
+    full = decoder.generate(CHAT_PROMPTS[:1], max_new_tokens=16, stop=[])[0]
+    assert "Paris" in full.text
+    result = decoder.generate(CHAT_PROMPTS[:1], max_new_tokens=16)[0]
+    assert result.finish_reason == "stop" and "Paris" not in result.text
+    assert result.text == full.text[: full.text.index("Paris")]
+    assert "Paris" in decoder.tokenizer.decode(result.token_ids)  # tokens run up to the one completing it

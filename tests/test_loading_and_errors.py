@@ -122,6 +122,8 @@ def test_folder_without_tokenizer_takes_token_ids(tiny):
     assert decoder.tokenizer is None
     with pytest.raises(ValueError, match="no tokenizer"):
         decoder.generate(["hello"])
+    with pytest.raises(ConfigError, match="generation.stop needs a tokenizer"):
+        decoder.generate([[4, 5, 6]], stop=["x"])
     assert len(decoder.generate([[4, 5, 6]], max_new_tokens=5, ignore_eos=True)[0].token_ids) == 5
 
 

@@ -136,3 +136,60 @@ def test_lossless_in_distribution(small_vocab_pair, draft_t):
     # the test has power: the drafter's own distribution is told apart from the target's
     assert _chi2_pvalue(samples, _exact_first_tokens(draft, prompt, 3, max(draft_t, 1.0))) < 1e-6
     assert_pools_empty(decoder)
+
+
+def test_feature_reading_drafter_receives_the_verifiers_residual_streams(pair):
+    """The hook an EAGLE3 drafter uses: after the prompt and after every verify, the drafter gets
+    the verifier's captured streams; the committed positions must equal transformers' hidden_states."""
+    from transformers import AutoModelForCausalLM
+
+    from hsmc.levels.base import SequenceState
+    from hsmc.levels.model import ModelLevel
+    from hsmc.levels.rejection import RejectionLevel
+    from hsmc.models.loading import load_model
+
+    draft_path, target_path = pair
+    layers = (1, 3)
+
+    class RecordingDrafter(ModelLevel):
+        feature_layers = layers
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.seen: dict[tuple[int, int], torch.Tensor] = {}
+
+        def _record(self, rows, upto, features):
+            for r, row in enumerate(rows.tolist()):
+                for j in range(int(features.count[r])):
+                    position = int(features.start[r]) + j
+                    if position < int(upto[r]):
+                        self.seen[(row, position)] = features.features[r, j]
+
+        def prefill(self, rows, features=None):
+            self._record(rows, self.state.seq_len[rows] - 1, features)
+            super().prefill(rows)
+
+        def accept(self, rows, keep_len, next_token, features=None):
+            if features is not None:
+                self._record(rows, keep_len, features)
+            super().accept(rows, keep_len, next_token)
+
+    cpu, gen = torch.device("cpu"), torch.Generator().manual_seed(0)
+    drafter = RecordingDrafter(SequenceState(load_model(str(draft_path)).model, 4, 512, cpu), 0.0, gen)
+    verifier = SequenceState(load_model(str(target_path)).model, 4, 512, cpu)
+    level = RejectionLevel(verifier, drafter, 3, 0.0, gen)
+    rows = torch.tensor([0, 1])
+    level.load_prompts(rows, [[5, 9, 13, 2], [7, 7]])
+    level.prefill(rows)
+    for _ in range(10):
+        level.propose(rows, 1)
+        level.commit(rows, 1)
+    hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    for row in rows.tolist():
+        seq = verifier.seq[row, : int(level.acknowledged[row])].tolist()
+        with torch.no_grad():
+            hidden = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        expected = torch.cat([hidden[i][0] for i in layers], -1)
+        for position in range(len(seq) - 1):  # the newest token is still pending
+            got = drafter.seen[(row, position)]
+            assert (got - expected[position]).abs().max() < 1e-4, (row, position)

@@ -11,6 +11,7 @@ from conftest import make_tiny_model
 from helpers import assert_pools_empty
 
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.stopping import StopCriteria
 
 VOCAB = 4
 
@@ -39,7 +40,7 @@ def _smc(draft, target, draft_t=1.0, rows=64, **smc):
 def test_proposal_equal_to_target_gives_zero_weights(models):
     _, target = models
     decoder = _smc(target, target, particles=4, block_size=3, alpha=1.0)
-    groups = decoder.stack.top.run([[1, 2, 0]] * 3, 10, set())
+    groups = decoder.stack.top.run([[1, 2, 0]] * 3, 10, StopCriteria(frozenset()))
     for g in groups:
         # zero up to fp32 rounding: the proposal scores one token per forward, the target K+1
         assert max(abs(w) for w in g.log_weights) < 1e-4

@@ -29,6 +29,21 @@ from hsmc.models.decoder import DecoderLM
 
 
 @dataclass
+class StepOutput:
+    """A forward over each row's pending tokens; row i's outputs are the first count[i] entries."""
+
+    logits: torch.Tensor  # [R, W, V]
+    count: torch.Tensor  # [R] tokens processed per row
+    start: torch.Tensor  # [R] position of the first processed token
+    features: torch.Tensor | None  # [R, W, n·H]: residual streams at the requested layers, concatenated
+
+    def last(self, n: int) -> torch.Tensor:
+        """The last n valid logits of each row: [R, n, V]."""
+        idx = (self.count[:, None] - n + torch.arange(n, device=self.count.device)).clamp_min(0)
+        return self.logits.gather(1, idx[:, :, None].expand(-1, -1, self.logits.shape[-1]))
+
+
+@dataclass
 class Proposal:
     tokens: torch.Tensor  # int64 [R, k]
     logq: torch.Tensor  # float [R, k]: log-prob of each token under the level's guaranteed distribution
@@ -39,11 +54,21 @@ class Level(Protocol):
     """What a level above (or the decoding driver) may call."""
 
     state: SequenceState
+    feature_layers: tuple[int, ...]  # residual streams this level wants from the verifier above (EAGLE3)
 
-    def prefill(self, rows: torch.Tensor) -> None: ...
+    def prefill(self, rows: torch.Tensor, features: StepOutput | None = None) -> None:
+        """Process the prompt; `features` as in `accept` (the verifier's prompt forward)."""
+        ...
+
     def propose(self, rows: torch.Tensor, k: int) -> Proposal: ...
     def commit(self, rows: torch.Tensor, n: int) -> None: ...
-    def accept(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None: ...
+    def accept(
+        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
+    ) -> None:
+        """`features`: the verifier's forward that decided this (its `features` at `feature_layers`);
+        positions below keep_len are committed, so a feature-reading drafter may consume those."""
+        ...
+
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None: ...
     def release(self, rows: torch.Tensor) -> None: ...
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None: ...
@@ -86,28 +111,27 @@ class SequenceState:
         if bool((drop > 0).any()):
             self.tables.rollback(rows, drop, int(drop.max()))
 
-    def forward(self, rows: torch.Tensor, end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Process each row's pending tokens seq[kv_len:end] (end defaults to seq_len).
-
-        Returns the logits of every processed position [R, W, V] and the per-row count [R]; row i's
-        outputs are the first count[i] entries.
-        """
+    def forward(self, rows: torch.Tensor, end: torch.Tensor | None = None, capture: tuple[int, ...] = ()) -> StepOutput:
+        """Process each row's pending tokens seq[kv_len:end] (end defaults to seq_len), capturing the
+        residual stream at `capture` (transformers' hidden_states numbering) when asked."""
         start_time = time.perf_counter()
         end = self.seq_len[rows] if end is None else end
         start = self.kv_len[rows].clone()
         count = end - start
         width = int(count.max())
         if width == 0:  # e.g. prefilling one-token prompts: everything stays pending
-            return torch.empty(len(rows), 0, self.model.config.vocab_size, device=rows.device), count
+            empty = torch.empty(len(rows), 0, self.model.config.vocab_size, device=rows.device)
+            return StepOutput(empty, count, start, None)
         offsets = torch.arange(width, device=rows.device)
         cols = (start[:, None] + offsets).clamp_max(self.seq.shape[1] - 1)
         tokens = torch.where(offsets[None, :] < count[:, None], self.seq[rows[:, None], cols], 0)
         self.tables.append(rows, width)
         self.tables.rollback(rows, width - count, width)
-        out = self.runner.forward(rows, tokens, count, start, int(end.max()))
-        logits = self.model.logits(out.hidden)
+        out = self.runner.forward(rows, tokens, count, start, int(end.max()), capture)
+        features = out.captured.flatten(2) if out.captured is not None else None
+        step = StepOutput(self.model.logits(out.hidden), count, start, features)
         self.forward_seconds += time.perf_counter() - start_time
-        return logits, count
+        return step
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         seq_len = self.seq_len[src_rows].clone()
@@ -118,9 +142,3 @@ class SequenceState:
     def release(self, rows: torch.Tensor) -> None:
         self.tables.release(rows)
         self.seq_len[rows] = 0
-
-
-def last_outputs(logits: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
-    """The last n valid outputs of each row of a ragged forward: [R, n, V]."""
-    idx = (count[:, None] - n + torch.arange(n, device=count.device)).clamp_min(0)
-    return logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from hsmc.engine.sampler import sample
-from hsmc.levels.base import Proposal, SequenceState
+from hsmc.levels.base import Proposal, SequenceState, StepOutput
 
 
 class ModelLevel:
+    feature_layers: tuple[int, ...] = ()  # ancestral sampling reads no verifier features
+
     def __init__(self, state: SequenceState, temperature: float, generator: torch.Generator) -> None:
         self.state = state
         self.temperature = temperature
@@ -17,15 +19,14 @@ class ModelLevel:
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         self.state.load_prompts(rows, prompts)
 
-    def prefill(self, rows: torch.Tensor) -> None:
+    def prefill(self, rows: torch.Tensor, features: StepOutput | None = None) -> None:
         """Process the prompt but its last token, which stays pending for the first step."""
         self.state.forward(rows, self.state.seq_len[rows] - 1)
 
     def propose(self, rows: torch.Tensor, k: int) -> Proposal:
         tokens, logq, logprobs = [], [], []
         for _ in range(k):
-            logits, count = self.state.forward(rows)
-            last = logits[torch.arange(len(rows), device=rows.device), count - 1]
+            last = self.state.forward(rows).last(1)[:, 0]
             tok, lp = sample(last, self.temperature, self.generator)
             self.state.append(rows, tok[:, None])
             tokens.append(tok)
@@ -41,7 +42,9 @@ class ModelLevel:
     def commit(self, rows: torch.Tensor, n: int) -> None:
         """Nothing to do: a model level never proposes more than it was asked for."""
 
-    def accept(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None:
+    def accept(
+        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
+    ) -> None:
         self.state.truncate(rows, keep_len, next_token)
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:

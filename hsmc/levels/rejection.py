@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 
 from hsmc.engine.sampler import gumbel_noise
-from hsmc.levels.base import Level, Proposal, SequenceState, last_outputs
+from hsmc.levels.base import Level, Proposal, SequenceState, StepOutput
 
 
 class RejectionLevel:
+    feature_layers: tuple[int, ...] = ()  # a rejection level never drafts for another (see validation)
+
     def __init__(
         self,
         state: SequenceState,
@@ -44,9 +46,10 @@ class RejectionLevel:
         self.drafter.load_prompts(rows, prompts)
         self.acknowledged[rows] = self.state.seq_len[rows]
 
-    def prefill(self, rows: torch.Tensor) -> None:
-        self.drafter.prefill(rows)
-        self.state.forward(rows, self.state.seq_len[rows] - 1)
+    def prefill(self, rows: torch.Tensor, features: StepOutput | None = None) -> None:
+        capture = self.drafter.feature_layers
+        step = self.state.forward(rows, self.state.seq_len[rows] - 1, capture)
+        self.drafter.prefill(rows, step if capture else None)
 
     def propose(self, rows: torch.Tensor, k: int) -> Proposal:
         """Run cycles until every row has k unacknowledged tokens; return the first k of them."""
@@ -65,7 +68,9 @@ class RejectionLevel:
     def commit(self, rows: torch.Tensor, n: int) -> None:
         self.acknowledged[rows] += n
 
-    def accept(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None:
+    def accept(
+        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
+    ) -> None:
         self.state.truncate(rows, keep_len, next_token)
         self.drafter.accept(rows, keep_len, next_token)
         self.acknowledged[rows] = keep_len + 1
@@ -94,8 +99,8 @@ class RejectionLevel:
         draft = self.drafter.propose(rows, gamma)
         base = self.state.seq_len[rows].clone()
         self.state.append(rows, draft.tokens)
-        logits, count = self.state.forward(rows)
-        p_logits = last_outputs(logits, count, gamma + 1).float()  # p_1..p_{γ+1}
+        step = self.state.forward(rows, capture=self.drafter.feature_layers)
+        p_logits = step.last(gamma + 1).float()  # p_1..p_{γ+1}
         accepted, token = self._verify(draft, p_logits)
         if self.temperature == 0:
             emitted_logq = torch.zeros(len(rows), gamma + 1, device=rows.device)
@@ -108,7 +113,7 @@ class RejectionLevel:
         self.seq_logq[rows[:, None], cols] = emitted_logq
         keep_len = base + accepted
         self.state.truncate(rows, keep_len, token)
-        self.drafter.accept(rows, keep_len, token)
+        self.drafter.accept(rows, keep_len, token, step if self.drafter.feature_layers else None)
         self.cycles += len(rows)
         self.emitted += int(accepted.sum()) + len(rows)
 

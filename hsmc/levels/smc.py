@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from hsmc.engine.sampler import gumbel_noise, sample
-from hsmc.levels.base import Level, SequenceState, last_outputs
+from hsmc.levels.base import Level, SequenceState
 from hsmc.smc.resampling import multinomial_ancestors, select_particle, systematic_ancestors
 from hsmc.smc.weights import effective_sample_size, weight_increments
+from hsmc.stopping import StopCriteria
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class SMCLevel:
         self,
         prompts: list[list[int]],
         max_new_tokens: int,
-        stop: set[int],
+        stop: StopCriteria,
         on_finish: Callable[[int], None] | None = None,
     ) -> list[GroupResult]:
         """Decode one wave: prompt g uses rows g*N .. g*N+N-1."""
@@ -84,8 +85,7 @@ class SMCLevel:
         self.state.load_prompts(first, prompts)
         self.proposal.load_prompts(first, prompts)
         # prefill: the target sees the whole prompt and draws x0; the proposal keeps its last token pending
-        logits, count = self.state.forward(first)
-        x0, _ = sample(p.alpha * last_outputs(logits, count, 1)[:, 0], p.temperature, self.generator)
+        x0, _ = sample(p.alpha * self.state.forward(first).last(1)[:, 0], p.temperature, self.generator)
         prompt_len = self.state.seq_len[first].clone()
         self.state.append(first, x0[:, None])
         self.proposal.prefill(first)
@@ -96,10 +96,11 @@ class SMCLevel:
             self.proposal.fork(first.repeat_interleave(n - 1), others)
 
         tokens = [[[t] for _ in range(n)] for t in x0.tolist()]  # [group][particle] generated ids
-        finished = [[t in stop or max_new_tokens <= 1 for _ in range(n)] for t in x0.tolist()]
-        reason = [["stop" if t in stop else "length" for _ in range(n)] for t in x0.tolist()]
+        stopped = [stop.first_stop([t], 0) is not None for t in x0.tolist()]
+        finished = [[s or max_new_tokens <= 1 for _ in range(n)] for s in stopped]
+        reason = [["stop" if s else "length" for _ in range(n)] for s in stopped]
         logw = torch.zeros(groups, n, dtype=torch.float64, device=device)
-        eos = torch.tensor(sorted(stop), dtype=torch.int64, device=device)
+        eos = torch.tensor(sorted(stop.token_ids), dtype=torch.int64, device=device)
         done_groups: set[int] = set()
         self._release_finished(rows, finished)
         try:
@@ -116,11 +117,13 @@ class SMCLevel:
                 delta, new_tokens = self._cycle(act_rows, k, eos)
                 for (g, i), d, toks in zip(active, delta.tolist(), new_tokens):
                     logw[g, i] += d
-                    room = max_new_tokens - len(tokens[g][i])
-                    tokens[g][i] += toks[:room]
-                    if toks[-1] in stop and len(toks) <= room:
+                    before = len(tokens[g][i])
+                    tokens[g][i] += toks[: max_new_tokens - before]
+                    cut = stop.first_stop(tokens[g][i], before)
+                    if cut is not None:
+                        del tokens[g][i][cut:]
                         finished[g][i], reason[g][i] = True, "stop"
-                    elif len(toks) >= room:
+                    elif len(tokens[g][i]) == max_new_tokens:
                         finished[g][i], reason[g][i] = True, "length"
                 live = sorted({g for g, _ in active})
                 self._release_finished(rows[live], [finished[g] for g in live])
@@ -132,7 +135,7 @@ class SMCLevel:
             self._levels_release(rows.reshape(-1))
 
     def _cycle(self, rows: torch.Tensor, k: int, eos: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
-        """One SMC cycle for active particle rows: returns weight increments and new tokens (to EOS)."""
+        """One SMC cycle for active particle rows: weight increments (EOS-masked) and the K+1 new tokens."""
         p = self.params
         base = self.state.seq_len[rows].clone()  # seq ends with the seed (last bonus / x0)
         if k:
@@ -142,8 +145,7 @@ class SMCLevel:
         else:
             draft = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)
             logq = torch.zeros(len(rows), 0, device=rows.device)
-        logits, count = self.state.forward(rows)
-        target = last_outputs(logits, count, k + 1).float()  # L_0..L_K
+        target = self.state.forward(rows).last(k + 1).float()  # L_0..L_K
         bonus, _ = sample(p.alpha * target[:, k], p.temperature, self.generator)
         no = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
         delta = weight_increments(target, draft, logq, bonus, no, eos, p.alpha, p.temperature)
@@ -151,10 +153,7 @@ class SMCLevel:
         self.state.truncate(rows, keep_len, bonus)
         if k:
             self.proposal.accept(rows, keep_len, bonus)
-        new = torch.cat([draft, bonus[:, None]], 1).tolist()
-        stop = set(eos.tolist())
-        cut = [next((j + 1 for j, t in enumerate(toks) if t in stop), len(toks)) for toks in new]
-        return delta, [toks[:c] for toks, c in zip(new, cut)]
+        return delta, torch.cat([draft, bonus[:, None]], 1).tolist()
 
     def _release_finished(self, rows: torch.Tensor, finished: list[list[bool]]) -> None:
         """Finished particles keep their tokens and weight but need no KV."""
