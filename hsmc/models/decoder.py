@@ -42,19 +42,30 @@ class LayerContext:
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [R, T, 1, D]
 
 
+def rope_cos_sin(
+    inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [R, T, 1, D] computed like transformers: fp32 angles, scaled, cast to `dtype`."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+    def __init__(self, cfg: DecoderConfig, layer: int, input_size: int | None = None) -> None:
+        """`input_size` differs from hidden_size only in an EAGLE3 head (embedding ‖ hidden, 2H)."""
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        d_in = input_size or cfg.hidden_size
+        self.q_proj = nn.Linear(d_in, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -126,13 +137,6 @@ class DecoderLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [R, T, 1, D] computed like transformers: fp32 angles, scaled, cast to `dtype`."""
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        scale = self.config.rope_attention_scaling
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
     def forward(
         self,
         batch: ForwardBatch,
@@ -149,7 +153,8 @@ class DecoderLM(nn.Module):
         if any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture indices must lie in [0, {n - 1}] for a {n}-layer model, got {capture}")
         x = self.model.embed_tokens(batch.tokens)
-        ctx = LayerContext(batch, cache, backend, backend.prepare(batch), self.rope(batch.positions, x.dtype))
+        rope = rope_cos_sin(self.inv_freq, self.config.rope_attention_scaling, batch.positions, x.dtype)
+        ctx = LayerContext(batch, cache, backend, backend.prepare(batch), rope)
         captured = [x] if 0 in capture else []
         for i, layer in enumerate(self.model.layers, start=1):
             x = layer(x, ctx)

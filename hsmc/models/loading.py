@@ -43,21 +43,26 @@ def load_model(
     `num_layers` keeps only the first n decoder layers (with the final norm and LM head): a
     layer-truncated copy of a model is a real, cheaper draft for it.
     """
-    from hsmc.models.demo import DEMO_MODELS, demo_model_folder
     from hsmc.models.tokenizer import load_tokenizer
 
     if dtype not in DTYPES:
         raise ModelLoadError(f"{source}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if source in DEMO_MODELS:
-        folder = demo_model_folder(source)
-    elif source.endswith(".gguf"):
+    if source.endswith(".gguf"):
         return _load_gguf(Path(source), DTYPES[dtype], device, num_layers)
-    elif Path(source).exists():
-        folder = Path(source)
-    else:
-        folder = _download_from_hub(source)
+    folder = resolve_folder(source)
     model = _load_folder(folder, DTYPES[dtype], device, source, num_layers)
     return LoadedModel(model=model, tokenizer=load_tokenizer(folder), source=source)
+
+
+def resolve_folder(source: str) -> Path:
+    """A local folder for `source`: a demo model's short name, an existing path, or a hub id."""
+    from hsmc.models.demo import DEMO_MODELS, demo_model_folder
+
+    if source in DEMO_MODELS:
+        return demo_model_folder(source)
+    if Path(source).exists():
+        return Path(source)
+    return _download_from_hub(source)
 
 
 def _download_from_hub(repo_id: str) -> Path:

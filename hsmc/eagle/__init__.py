@@ -1,0 +1,1 @@
+"""EAGLE3 draft heads: module, checkpoint I/O (SGLang / vLLM / SpecForge layout)."""

@@ -1,0 +1,67 @@
+"""The EAGLE3 draft head (DESIGN.md §4), parameter names as in SGLang / vLLM / SpecForge checkpoints.
+
+Inputs per position: the verifier's residual streams low‖mid‖high (3H, projected by `fc`) or,
+from the second draft step on, the head's own pre-norm output (H); and the embedding of the next
+token (the verifier's frozen embedding table, not stored). One Llama decoder layer whose attention
+sees cat(input_layernorm(embed), hidden_norm(hidden)) (2H) with `hidden` as the residual; then
+`norm` and an LM head over the reduced draft vocabulary, mapped back with `d2t`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hsmc.engine.attention import AttentionBackend
+from hsmc.engine.batch import ForwardBatch
+from hsmc.engine.kv_cache import KVCache
+from hsmc.models.config import DecoderConfig
+from hsmc.models.decoder import MLP, Attention, LayerContext, RMSNorm, rope_cos_sin
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.self_attn = Attention(cfg, layer=0, input_size=2 * h)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: DecoderConfig, draft_vocab_size: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.config = cfg
+        self.draft_vocab_size = draft_vocab_size
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds, hidden [R, T, H] -> (pre-norm output fed to the next step [R, T, H], draft logits)."""
+        rope = rope_cos_sin(self.inv_freq, self.config.rope_attention_scaling, batch.positions, hidden.dtype)
+        ctx = LayerContext(batch, cache, backend, backend.prepare(batch), rope)
+        out = self.midlayer(embeds, hidden, ctx)
+        return out, self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
