@@ -15,7 +15,7 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-LEVEL_KINDS = ("model", "rejection", "smc")
+LEVEL_KINDS = ("model", "eagle3", "rejection", "smc")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -25,8 +25,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class LevelConfig:
-    kind: str = "model"  # model | rejection | smc, listed bottom (cheapest) to top
-    model: str = MISSING  # hub id | local folder | .gguf path | a demo model's short name
+    kind: str = "model"  # model | eagle3 | rejection | smc, listed bottom (cheapest) to top
+    model: str = MISSING  # hub id | local folder | .gguf path | demo short name (eagle3: the head's folder/id)
     dtype: str = "float32"
     temperature: float = 0.0
     num_layers: int | None = None  # keep only the first n decoder layers (a cheap self-draft)
@@ -99,15 +99,17 @@ def validate(cfg: HsmcConfig, where: str = "config") -> None:
             raise ConfigError(f"{key}.temperature must be >= 0, got {level.temperature}")
         if level.num_layers is not None and level.num_layers <= 0:
             raise ConfigError(f"{key}.num_layers must be positive, got {level.num_layers}")
-        if i == 0 and level.kind != "model":
-            raise ConfigError(f"{key}.kind={level.kind!r}: the bottom level must be a 'model' (it consumes nothing)")
+        if i == 0 and level.kind not in ("model", "eagle3"):
+            raise ConfigError(f"{key}.kind={level.kind!r}: the bottom level must be 'model' or 'eagle3'")
+        if level.kind == "eagle3" and (i != 0 or len(cfg.levels) < 2 or cfg.levels[1].kind != "rejection"):
+            raise ConfigError(f"{key}.kind='eagle3' drafts at the bottom, directly under a rejection level")
         if level.kind == "smc" and i != len(cfg.levels) - 1:
             raise ConfigError(f"{key}.kind='smc' must be the top level")
         if level.kind == "rejection":
             if level.num_draft_tokens <= 0:
                 raise ConfigError(f"{key}.num_draft_tokens must be positive, got {level.num_draft_tokens}")
-            if cfg.levels[i - 1].kind != "model":
-                raise ConfigError(f"{key}: a rejection level drafts from a 'model' level directly below it")
+            if cfg.levels[i - 1].kind not in ("model", "eagle3"):
+                raise ConfigError(f"{key}: a rejection level drafts from a 'model' or 'eagle3' level directly below it")
         if level.kind == "smc":
             _validate_smc(level, cfg.levels[i - 1], key)
     for key, value in (

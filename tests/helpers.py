@@ -46,6 +46,6 @@ def assert_pools_empty(decoder) -> None:
     from hsmc.engine.kv_pool import check_invariants
 
     for level in decoder.stack.levels:
-        tables = level.state.tables
+        tables = level.tables if hasattr(level, "tables") else level.state.tables
         check_invariants(tables.allocator, [tables])
         assert tables.allocator.num_free() == tables.allocator.num_slots, f"{type(level).__name__} leaked KV slots"

@@ -11,13 +11,17 @@ from safetensors.torch import load_file, save_file
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, new_head_config, save_eagle3_head
 from hsmc.models.loading import ModelLoadError
 
-H, HEADS, KV, HD, INTER, VOCAB, DRAFT = 48, 4, 2, 12, 80, 101, 32
+SIZES = H, HEADS, KV, HD, INTER, VOCAB, DRAFT = 48, 4, 2, 12, 80, 101, 32
 
 
-def published_layout(folder, architecture="LlamaForCausalLMEagle3", dtype=torch.bfloat16, seed=0):
-    """A head as SpecForge/SGLang publish it, written by hand from the spec (not by hsmc)."""
+def published_layout(
+    folder, architecture="LlamaForCausalLMEagle3", dtype=torch.bfloat16, seed=0, sizes=None, scale=0.1
+):
+    """A head as SpecForge/SGLang publish it, written by hand from the spec (not by hsmc).
+    `sizes` overrides (H, HEADS, KV, HD, INTER, VOCAB, DRAFT) to fit another verifier."""
+    H, HEADS, KV, HD, INTER, VOCAB, DRAFT = sizes or SIZES
     g = torch.Generator().manual_seed(seed)
-    r = lambda *shape: (torch.randn(*shape, generator=g) * 0.1).to(dtype)  # noqa: E731
+    r = lambda *shape: (torch.randn(*shape, generator=g) * scale).to(dtype)  # noqa: E731
     ones = lambda n: (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)  # noqa: E731
     kept = torch.sort(torch.randperm(VOCAB, generator=g)[:DRAFT]).values
     state = {

@@ -16,7 +16,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
-    assert cfg.levels[0].kind == "model"
+    assert cfg.levels[0].kind in ("model", "eagle3")
 
 
 def test_headline_config_is_the_three_level_stack():
@@ -47,6 +47,8 @@ M = {"kind": "model", "model": "m", "temperature": 1.0}
         (_levels(M, {"kind": "rejection", "model": "t", "num_draft_tokens": 0}), r"levels\[1\].num_draft_tokens"),
         (_levels(M, {"kind": "rejection", "model": "t"}, {"kind": "rejection", "model": "u"}), "directly below"),
         (_levels({**M, "num_layers": 0}), r"levels\[0\].num_layers"),
+        (_levels({"kind": "eagle3", "model": "h"}, M), "directly under a rejection level"),
+        (_levels(M, {"kind": "eagle3", "model": "h"}), r"levels\[1\].kind='eagle3' drafts at the bottom"),
     ],
 )
 def test_invalid_stacks(cfg, message):

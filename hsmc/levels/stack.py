@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from hsmc.config import ConfigError, HsmcConfig, LevelConfig
+from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head
 from hsmc.levels.base import Level, SequenceState
+from hsmc.levels.eagle3 import Eagle3Level
 from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.smc import SMCLevel, SMCParams
@@ -48,12 +50,27 @@ def build_stack(cfg: HsmcConfig) -> Stack:
         raise ConfigError(f"engine.device={cfg.engine.device!r} but no CUDA device is available")
     generator = torch.Generator(device).manual_seed(cfg.generation.seed)
     loaded: dict[tuple[str, str, int | None], LoadedModel] = {}
-    levels: list[Any] = []
-    for lc in cfg.levels:
+
+    def model_of(lc: LevelConfig) -> LoadedModel:
         key = (lc.model, lc.dtype, lc.num_layers)
         if key not in loaded:
             loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers)
-        state = SequenceState(loaded[key].model, cfg.engine.max_batch_rows, cfg.engine.kv_capacity_tokens, device)
+        return loaded[key]
+
+    levels: list[Any] = []
+    vocabularies: list[tuple[int, Any | None]] = []  # (vocab size, tokenizer) per level
+    rows, capacity = cfg.engine.max_batch_rows, cfg.engine.kv_capacity_tokens
+    for i, lc in enumerate(cfg.levels):
+        if lc.kind == "eagle3":
+            verifier = model_of(cfg.levels[i + 1]).model
+            head, head_config = load_eagle3_head(lc.model, lc.dtype, device)
+            layers = capture_layers(head_config, verifier.config.num_layers)
+            levels.append(Eagle3Level(head, verifier, layers, rows, capacity, lc.temperature, generator))
+            vocabularies.append((head.config.vocab_size, None))
+            continue
+        model = model_of(lc)
+        vocabularies.append((model.model.config.vocab_size, model.tokenizer))
+        state = SequenceState(model.model, rows, capacity, device)
         below: Level | None = levels[-1] if levels else None
         if lc.kind == "model":
             levels.append(ModelLevel(state, lc.temperature, generator))
@@ -64,26 +81,22 @@ def build_stack(cfg: HsmcConfig) -> Stack:
                 lc.particles, lc.block_size, lc.alpha, lc.temperature, lc.ess_threshold, lc.resampling, lc.selection
             )
             levels.append(SMCLevel(state, below, params, generator))
-    models = [loaded[(lc.model, lc.dtype, lc.num_layers)] for lc in cfg.levels]
-    _check_same_vocabulary(cfg.levels, models)
-    tokenizer = next((m.tokenizer for m in reversed(models) if m.tokenizer is not None), None)
-    return Stack(levels, list(cfg.levels), tokenizer, models[-1].model.config.eos_token_ids, generator)
+    _check_same_vocabulary(cfg.levels, vocabularies)
+    tokenizer = next((t for _, t in reversed(vocabularies) if t is not None), None)
+    top = model_of(cfg.levels[-1]).model
+    return Stack(levels, list(cfg.levels), tokenizer, top.config.eos_token_ids, generator)
 
 
-def _check_same_vocabulary(configs: list[LevelConfig], models: list[LoadedModel]) -> None:
+def _check_same_vocabulary(configs: list[LevelConfig], vocabularies: list[tuple[int, Any | None]]) -> None:
     """Levels exchange token ids, so every model must use the same vocabulary."""
-    top = models[-1]
-    for i, (lc, m) in enumerate(zip(configs, models)):
-        if m.model.config.vocab_size != top.model.config.vocab_size:
+    top_size, top_tokenizer = vocabularies[-1]
+    for i, (lc, (size, tokenizer)) in enumerate(zip(configs, vocabularies)):
+        if size != top_size:
             raise ConfigError(
-                f"levels[{i}].model={lc.model!r} has vocab_size {m.model.config.vocab_size}, but the top level "
-                f"{configs[-1].model!r} has {top.model.config.vocab_size}: levels must share one vocabulary"
+                f"levels[{i}].model={lc.model!r} has vocab_size {size}, but the top level "
+                f"{configs[-1].model!r} has {top_size}: levels must share one vocabulary"
             )
-        if (
-            m.tokenizer is not None
-            and top.tokenizer is not None
-            and m.tokenizer.get_vocab() != top.tokenizer.get_vocab()
-        ):
+        if tokenizer is not None and top_tokenizer is not None and tokenizer.get_vocab() != top_tokenizer.get_vocab():
             raise ConfigError(
                 f"levels[{i}].model={lc.model!r} uses a different tokenizer than the top level {configs[-1].model!r}"
             )
