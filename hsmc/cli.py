@@ -68,8 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts-file", help="a text file (one prompt per line) or .jsonl with a 'prompt' field")
     gen.add_argument("overrides", nargs="*", help="config overrides, e.g. generation.max_new_tokens=64")
+    train = sub.add_parser("train-eagle", help="train an EAGLE3 head for a verifier (resumes from checkpoints)")
+    train.add_argument(
+        "--config", required=True, help="YAML with the TrainEagleConfig keys (configs/train_eagle_demo.yaml)"
+    )
+    train.add_argument("overrides", nargs="*", help="config overrides, e.g. steps=500")
     args = parser.parse_args(argv)
     try:
+        if args.command == "train-eagle":
+            from hsmc.training.trainer import load_train_config, train_eagle
+
+            train_eagle(load_train_config(args.config, args.overrides))
+            return 0
         _generate(args)
     except (ConfigError, ModelLoadError, KVCapacityError, ChecksumError, ValueError) as e:
         print(f"hsmc: error: {e}", file=sys.stderr)

@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+T = TypeVar("T")
 LEVEL_KINDS = ("model", "eagle3", "rejection", "smc")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -65,6 +67,13 @@ class HsmcConfig:
 
 def load_config(source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HsmcConfig:
     """Merge the schema defaults, a YAML file (or mapping) and dotlist overrides, then validate."""
+    cfg = load_structured(HsmcConfig, source, overrides)
+    validate(cfg, str(source) if isinstance(source, (str, Path)) else "config")
+    return cfg
+
+
+def load_structured(schema: type[T], source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> T:
+    """An instance of the dataclass `schema` from YAML (or a mapping) plus `key=value` overrides."""
     where = str(source) if isinstance(source, (str, Path)) else "config"
     try:
         if isinstance(source, (str, Path)):
@@ -73,17 +82,15 @@ def load_config(source: str | Path | DictConfig | dict, overrides: Sequence[str]
             data = OmegaConf.load(source)
         else:
             data = OmegaConf.create(source)
-        merged = OmegaConf.merge(OmegaConf.structured(HsmcConfig), data)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), data)
         for item in overrides:
             key, sep, value = item.partition("=")
             if not sep or not key:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
             OmegaConf.update(merged, key, yaml.safe_load(value), merge=True)  # `levels.0.x` indexes lists
-        cfg: HsmcConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: {e}".strip()) from None
-    validate(cfg, where)
-    return cfg
 
 
 def validate(cfg: HsmcConfig, where: str = "config") -> None:

@@ -1,0 +1,1 @@
+"""EAGLE3 training: data from the verifier, vocab mapping, training-time-test loss, trainer."""

@@ -1,0 +1,210 @@
+"""`hsmc train-eagle`: regenerate the verifier's responses, build the draft vocabulary, train an
+EAGLE3 head with the training-time-test loss on accelerate, checkpoint and resume, export.
+
+Data: prompts -> the verifier's own responses (hsmc generate, chat template) -> token sequences and
+response masks, cached in `output_dir/data.pt`. Features and target logits come from a second
+verifier pass inside each training step (storing full-vocabulary logits would not fit on disk).
+The batch of step s is a function of (seed, s), so a resumed run continues exactly where it left.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hsmc.config import ConfigError, load_structured
+from hsmc.eagle.checkpoint import capture_layers, head_from_config, new_head_config, save_eagle3_head
+from hsmc.eagle.head import Eagle3Head
+from hsmc.levels.base import SequenceState
+from hsmc.models.loading import LoadedModel, load_model, read_hf_config, resolve_folder
+from hsmc.training.ttt import TTTBatch, ttt_loss
+from hsmc.training.vocab import build_vocab_mapping
+
+
+@dataclass
+class TrainEagleConfig:
+    verifier: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    prompts_file: str | None = None  # a .jsonl file; `prompt_field` of each line is a prompt
+    dataset: str | None = None  # or a `datasets` dataset name (needs the hub or its cache)
+    dataset_split: str = "train"
+    prompt_field: str = "question"
+    num_prompts: int = 256
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # the verifier's sampling temperature for the responses (0 = greedy)
+    chat_template: bool = True
+    draft_vocab_size: int = 4096
+    steps: int = 200
+    batch_size: int = 4
+    lr: float = 1e-4
+    warmup_steps: int = 10
+    ttt_steps: int = 7
+    grad_clip: float = 0.5
+    checkpoint_every: int = 50
+    output_dir: str = "runs/eagle3"
+    seed: int = 0
+    generation_batch: int = 16
+
+
+def load_train_config(source: str | Path | dict, overrides: list[str] | tuple[str, ...] = ()) -> TrainEagleConfig:
+    cfg = load_structured(TrainEagleConfig, source, overrides)
+    if cfg.prompts_file is None and cfg.dataset is None:
+        raise ConfigError("train-eagle: set prompts_file (a .jsonl) or dataset")
+    for key in ("num_prompts", "max_new_tokens", "draft_vocab_size", "steps", "batch_size", "checkpoint_every"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"train-eagle: {key} must be positive, got {getattr(cfg, key)}")
+    return cfg
+
+
+def read_prompts(cfg: TrainEagleConfig) -> list[str]:
+    if cfg.prompts_file is not None:
+        path = Path(cfg.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"train-eagle: prompts_file {path} not found")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        import datasets
+
+        rows = list(datasets.load_dataset(cfg.dataset, split=cfg.dataset_split))
+    if rows and cfg.prompt_field not in rows[0]:
+        raise ConfigError(f"train-eagle: prompts have no field {cfg.prompt_field!r} (fields: {sorted(rows[0])})")
+    return [r[cfg.prompt_field] for r in rows[: cfg.num_prompts]]
+
+
+def generate_data(cfg: TrainEagleConfig, out: Path) -> dict:
+    """The verifier's own responses: token sequences, where each response starts, token counts."""
+    path = out / "data.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    from hsmc.decoder import HierarchicalDecoder
+
+    prompts = read_prompts(cfg)
+    decoder = HierarchicalDecoder.from_config(
+        {
+            "levels": [{"model": cfg.verifier, "dtype": cfg.dtype, "temperature": cfg.temperature}],
+            "generation": {"max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed, "chat_template": cfg.chat_template},
+            "engine": {"max_batch_rows": cfg.generation_batch, "kv_capacity_tokens": 16384},
+        }
+    )
+    from hsmc.models.tokenizer import encode_prompt
+
+    sequences, starts = [], []
+    for i in tqdm(range(0, len(prompts), cfg.generation_batch), desc="responses", unit="batch"):
+        chunk = prompts[i : i + cfg.generation_batch]
+        results = decoder.generate(chunk)
+        for prompt, result in zip(chunk, results):
+            ids = encode_prompt(decoder.tokenizer, prompt, cfg.chat_template)
+            sequences.append(ids + result.token_ids)
+            starts.append(len(ids))
+    counts = torch.zeros(decoder.stack.levels[0].state.model.config.vocab_size, dtype=torch.int64)
+    for seq, start in zip(sequences, starts):
+        counts += torch.bincount(torch.tensor(seq[start:]), minlength=counts.numel())
+    data = {"sequences": sequences, "starts": starts, "counts": counts}
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+def _verifier_batch(
+    verifier: LoadedModel, layers: tuple[int, ...], sequences: list[list[int]], starts: list[int]
+) -> TTTBatch:
+    """Second pass: features at `layers` and logits of the verifier for a padded batch."""
+    longest = max(len(s) for s in sequences)
+    device = verifier.model.model.embed_tokens.weight.device
+    state = SequenceState(verifier.model, len(sequences), len(sequences) * longest, device)
+    rows = torch.arange(len(sequences), device=state.seq.device)
+    state.load_prompts(rows, sequences)
+    step = state.forward(rows, capture=layers)
+    state.release(rows)
+    lengths = torch.tensor([len(s) for s in sequences], device=rows.device)
+    positions = torch.arange(longest, device=rows.device)
+    start = torch.tensor(starts, device=rows.device)
+    mask = (positions[None] + 1 >= start[:, None]) & (positions[None] + 1 < lengths[:, None])
+    return TTTBatch(step.features, state.seq[:, :longest].clone(), step.logits, mask)
+
+
+def init_head(config: dict, d2t: torch.Tensor, t2d: torch.Tensor, device: torch.device, seed: int) -> Eagle3Head:
+    head = head_from_config(config).to_empty(device=device)
+    torch.manual_seed(seed)
+    for name, p in head.named_parameters():
+        torch.nn.init.ones_(p) if name.endswith("norm.weight") else torch.nn.init.normal_(p, std=0.02)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    head.inv_freq = torch.tensor(head.config.inv_freq, dtype=torch.float32, device=device)
+    return head
+
+
+def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
+    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+    return max(found) if found else None
+
+
+def train_eagle(cfg: TrainEagleConfig) -> Path:
+    """Run (or resume) training; returns the exported head's folder."""
+    from accelerate import Accelerator
+    from transformers import get_cosine_schedule_with_warmup
+
+    out = Path(cfg.output_dir)
+    accelerator = Accelerator()
+    data = generate_data(cfg, out)
+    verifier = load_model(cfg.verifier, cfg.dtype, accelerator.device)
+    verifier_cfg = read_hf_config(resolve_folder(cfg.verifier)).to_dict()
+    d2t, t2d = build_vocab_mapping(data["counts"], cfg.draft_vocab_size)
+    head_cfg = new_head_config(verifier_cfg, cfg.draft_vocab_size)
+    layers = capture_layers(head_cfg, verifier.model.config.num_layers)
+    head = init_head(head_cfg, d2t, t2d, accelerator.device, cfg.seed)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
+    head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
+    step = 0
+    if resume := latest_checkpoint(out):
+        step, path = resume
+        accelerator.load_state(str(path))
+        accelerator.print(f"hsmc: resuming from {path} (step {step})")
+    embed = verifier.model.model.embed_tokens
+    n = len(data["sequences"])
+    tokens_seen, began, accuracy = 0, time.perf_counter(), []
+    log = (out / "log.jsonl").open("a")
+    bar = tqdm(total=cfg.steps, initial=step, desc="train-eagle", disable=not accelerator.is_main_process)
+    try:
+        while step < cfg.steps:
+            pick = torch.randint(
+                0, n, (cfg.batch_size,), generator=torch.Generator().manual_seed(cfg.seed * 100003 + step)
+            )
+            seqs = [data["sequences"][i] for i in pick.tolist()]
+            with torch.no_grad():
+                batch = _verifier_batch(verifier, layers, seqs, [data["starts"][i] for i in pick.tolist()])
+            result = ttt_loss(accelerator.unwrap_model(head), embed, batch, cfg.ttt_steps)
+            accelerator.backward(result.loss)
+            accelerator.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            tokens_seen += int(batch.loss_mask.sum())
+            bar.update()
+            accuracy = result.accuracy
+            bar.set_postfix(loss=f"{result.loss.item():.3f}", top1=f"{accuracy[0]:.2f}/{accuracy[-1]:.2f}")
+            log.write(json.dumps({"step": step, "loss": result.loss.item(), "top1": accuracy}) + "\n")
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                accelerator.save_state(str(out / f"checkpoint-{step}"))
+    except KeyboardInterrupt:
+        accelerator.save_state(str(out / f"checkpoint-{step}"))
+        accelerator.print(f"\nhsmc: interrupted; saved checkpoint-{step}; rerun the same command to resume")
+        raise
+    finally:
+        bar.close()
+        log.close()
+    final = accelerator.unwrap_model(head)
+    export = save_eagle3_head(final, head_cfg, out / "head")
+    accelerator.print(
+        f"hsmc: trained {step} steps on {tokens_seen} response tokens in {time.perf_counter() - began:.0f}s; "
+        f"last step top-1 per TTT step {[round(a, 2) for a in accuracy]}; head at {export}"
+    )
+    return export

@@ -1,0 +1,91 @@
+"""`hsmc train-eagle` on a tiny verifier: learning happens, and an interrupted run resumes exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from hsmc.eagle.checkpoint import load_eagle3_head
+from hsmc.training import trainer
+from hsmc.training.trainer import load_train_config, train_eagle
+from hsmc.training.vocab import build_vocab_mapping
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    verifier = make_tiny_model("llama", root / "verifier", seed=6)
+    gen = torch.Generator().manual_seed(0)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(
+            json.dumps({"ids": torch.randint(3, 100, (int(n),), generator=gen).tolist()})
+            for n in torch.randint(3, 9, (24,), generator=gen)
+        )
+    )
+    return root, verifier, prompts
+
+
+def _config(root, verifier, prompts, name, **kw):
+    base = dict(
+        verifier=str(verifier), prompts_file=str(prompts), prompt_field="ids", num_prompts=24, max_new_tokens=20,
+        temperature=1.0, draft_vocab_size=64, steps=40, batch_size=6, lr=3e-3, warmup_steps=2, ttt_steps=3,
+        checkpoint_every=10, output_dir=str(root / name),
+    )  # fmt: skip
+    return load_train_config({**base, **kw})
+
+
+def _log(folder):
+    return [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_and_top1_rises(setup):
+    root, verifier, prompts = setup
+    cfg = _config(root, verifier, prompts, "learn")
+    head_dir = train_eagle(cfg)
+    log = _log(root / "learn")
+    first, last = log[:5], log[-5:]
+    mean = lambda rows, f: sum(f(r) for r in rows) / len(rows)  # noqa: E731
+    # soft cross-entropy includes the verifier's own entropy (high for a random model): it cannot
+    # approach 0, so the test asks for a clear absolute drop
+    assert mean(last, lambda r: r["loss"]) < mean(first, lambda r: r["loss"]) - 0.25
+    assert mean(last, lambda r: r["top1"][0]) > mean(first, lambda r: r["top1"][0]) + 0.1
+    head, config = load_eagle3_head(str(head_dir))
+    assert config["draft_vocab_size"] == 64 and int(head.t2d.sum()) == 64
+
+
+def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(setup, monkeypatch):
+    root, verifier, prompts = setup
+    straight = load_eagle3_head(str(train_eagle(_config(root, verifier, prompts, "straight", steps=20))))[0]
+
+    calls = {"n": 0}
+    real = trainer.ttt_loss
+
+    def dies_at_step_13(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 13:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    cfg = _config(root, verifier, prompts, "resumed", steps=20)
+    monkeypatch.setattr(trainer, "ttt_loss", dies_at_step_13)
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle(cfg)
+    assert trainer.latest_checkpoint(root / "resumed")[0] == 12  # saved on interrupt
+    monkeypatch.setattr(trainer, "ttt_loss", real)
+    resumed = load_eagle3_head(str(train_eagle(cfg)))[0]  # the same command again
+    assert [r["step"] for r in _log(root / "resumed")] == list(range(1, 21))
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a)
+
+
+def test_vocab_mapping_keeps_the_most_frequent_tokens_sorted():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    d2t, t2d = build_vocab_mapping(counts, 3)
+    kept = torch.arange(3) + d2t
+    assert kept.tolist() == [2, 3, 5] and t2d.tolist() == [False, False, True, True, False, True]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_vocab_mapping(counts, 7)
