@@ -4,7 +4,8 @@
 
 Stacks (SmolLM2-135M-Instruct, T = 0.7, the demo's prompts): the target alone; draft-model SD
 (layer-truncated draft, lossless rejection); SMC-SD (draft proposes, smc reweights N=4, K=4);
-and the demo's three-level stack. The target-alone row is the baseline of the ratio column.
+the demo config; and with --head, an EAGLE3 head under rejection, with and without an smc level
+on top. The target-alone row is the baseline of the ratio column.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--draft-layers", type=int, default=24)
+    parser.add_argument("--head", help="an EAGLE3 head for SmolLM2: adds the eagle3 two- and three-level stacks")
     args = parser.parse_args()
     demo = load_config("configs/demo.yaml")
     draft = {"model": M, "num_layers": args.draft_layers, "temperature": 0.7}
@@ -33,10 +35,17 @@ def main() -> None:
         "target alone": [target],
         "draft -> rejection": [draft, {**target, "kind": "rejection", "num_draft_tokens": 4}],
         "draft -> smc (N=4, K=4)": [draft, {**target, "kind": "smc", "particles": 4, "block_size": 4}],
-        "demo: draft -> rejection -> smc a=2": [
-            {k: v for k, v in vars(lc).items() if v is not None} for lc in demo.levels
-        ],
+        "demo config": [{k: v for k, v in vars(lc).items() if v is not None} for lc in demo.levels],
     }
+    if args.head:
+        eagle = {"kind": "eagle3", "model": args.head, "temperature": 0.7}
+        rejection = {**target, "kind": "rejection", "num_draft_tokens": 4}
+        stacks["eagle3 -> rejection"] = [eagle, rejection]
+        stacks["eagle3 -> rejection -> smc a=2"] = [
+            eagle,
+            rejection,
+            {**target, "kind": "smc", "alpha": 2.0, "particles": 4, "block_size": 4},
+        ]
     print(f"device: CPU ({platform.machine()}, {torch.get_num_threads()} threads); {len(demo.prompts)} demo prompts,")
     print(f"max_new_tokens={args.max_new_tokens}, draft = first {args.draft_layers} of 30 layers, seed 0")
     print(f"{'stack':<36} {'tok/s':>6} {'ratio':>6}  level stats")

@@ -174,9 +174,9 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
     bar = tqdm(total=cfg.steps, initial=step, desc="train-eagle", disable=not accelerator.is_main_process)
     try:
         while step < cfg.steps:
-            pick = torch.randint(
-                0, n, (cfg.batch_size,), generator=torch.Generator().manual_seed(cfg.seed * 100003 + step)
-            )
+            # a function of (seed, step, process): resumable, and each process of a multi-GPU run gets its own
+            stream = (cfg.seed * 100003 + step) * accelerator.num_processes + accelerator.process_index
+            pick = torch.randint(0, n, (cfg.batch_size,), generator=torch.Generator().manual_seed(stream))
             seqs = [data["sequences"][i] for i in pick.tolist()]
             with torch.no_grad():
                 batch = _verifier_batch(verifier, layers, seqs, [data["starts"][i] for i in pick.tolist()])
@@ -203,8 +203,11 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
         log.close()
     final = accelerator.unwrap_model(head)
     export = save_eagle3_head(final, head_cfg, out / "head")
+    # a greedy chain keeps draft k while steps 0..k all agree: 1 + sum_k prod_{j<=k} top1_j tokens per verify
+    estimate = 1 + sum(torch.tensor(accuracy[: k + 1]).prod().item() for k in range(len(accuracy)))
     accelerator.print(
         f"hsmc: trained {step} steps on {tokens_seen} response tokens in {time.perf_counter() - began:.0f}s; "
-        f"last step top-1 per TTT step {[round(a, 2) for a in accuracy]}; head at {export}"
+        f"last step top-1 per TTT step {[round(a, 2) for a in accuracy]} "
+        f"(accepted length estimate {estimate:.2f} at gamma={len(accuracy)}); head at {export}"
     )
     return export
