@@ -62,7 +62,7 @@ def main() -> None:
         stats = "; ".join(
             ", ".join(f"{k} {v:.2f}" for k, v in lv.items() if k not in ("model", "kind", "share_of_time"))
             for lv in results[0].stats["levels"]
-            if lv["kind"] != "model"
+            if lv["kind"] in ("rejection", "smc")
         )
         print(f"{name:<36} {rate:>6.1f} {rate / baseline:>5.2f}x  {stats}")
 
