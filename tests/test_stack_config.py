@@ -10,13 +10,20 @@ from conftest import make_tiny_model
 from hsmc.config import ConfigError, load_config
 from hsmc.decoder import HierarchicalDecoder
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml") if "train" not in p.name)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     assert cfg.levels[0].kind in ("model", "eagle3")
+
+
+def test_training_config_validates():
+    from hsmc.training.trainer import load_train_config
+
+    cfg = load_train_config(CONFIGS[0].parent / "train_eagle_demo.yaml")
+    assert cfg.verifier == "smollm2-135m-instruct" and cfg.ttt_steps == 7
 
 
 def test_headline_config_is_the_three_level_stack():
