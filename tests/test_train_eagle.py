@@ -89,3 +89,11 @@ def test_vocab_mapping_keeps_the_most_frequent_tokens_sorted():
     assert kept.tolist() == [2, 3, 5] and t2d.tolist() == [False, False, True, True, False, True]
     with pytest.raises(ValueError, match="draft_vocab_size"):
         build_vocab_mapping(counts, 7)
+
+
+def test_prompts_from_a_datasets_dataset(setup):
+    root, verifier, prompts = setup
+    cfg = _config(root, verifier, prompts, "ds", prompts_file=None, dataset="json", dataset_files=str(prompts))
+    from_datasets = trainer.read_prompts(cfg)
+    from_file = trainer.read_prompts(_config(root, verifier, prompts, "file"))
+    assert from_datasets == from_file and len(from_file) == 24

@@ -32,7 +32,8 @@ class TrainEagleConfig:
     verifier: str = "smollm2-135m-instruct"
     dtype: str = "float32"
     prompts_file: str | None = None  # a .jsonl file; `prompt_field` of each line is a prompt
-    dataset: str | None = None  # or a `datasets` dataset name (needs the hub or its cache)
+    dataset: str | None = None  # or a `datasets` dataset: a hub name, or a loader such as "json"
+    dataset_files: str | None = None  # data_files for a loader dataset ("json" + a local file)
     dataset_split: str = "train"
     prompt_field: str = "question"
     num_prompts: int = 256
@@ -69,15 +70,17 @@ def read_prompts(cfg: TrainEagleConfig) -> list[str]:
             raise ConfigError(f"train-eagle: prompts_file {path} not found")
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     else:
-        import datasets
-
-        rows = list(datasets.load_dataset(cfg.dataset, split=cfg.dataset_split))
+        try:
+            import datasets
+        except ImportError:
+            raise ConfigError("train-eagle: dataset needs the `datasets` package (pip install 'hsmc[train]')") from None
+        rows = list(datasets.load_dataset(cfg.dataset, data_files=cfg.dataset_files, split=cfg.dataset_split))
     if rows and cfg.prompt_field not in rows[0]:
         raise ConfigError(f"train-eagle: prompts have no field {cfg.prompt_field!r} (fields: {sorted(rows[0])})")
     return [r[cfg.prompt_field] for r in rows[: cfg.num_prompts]]
 
 
-def generate_data(cfg: TrainEagleConfig, out: Path) -> dict:
+def generate_data(cfg: TrainEagleConfig, out: Path, device: torch.device) -> dict:
     """The verifier's own responses: token sequences, where each response starts, token counts."""
     path = out / "data.pt"
     if path.is_file():
@@ -89,7 +92,7 @@ def generate_data(cfg: TrainEagleConfig, out: Path) -> dict:
         {
             "levels": [{"model": cfg.verifier, "dtype": cfg.dtype, "temperature": cfg.temperature}],
             "generation": {"max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed, "chat_template": cfg.chat_template},
-            "engine": {"max_batch_rows": cfg.generation_batch, "kv_capacity_tokens": 16384},
+            "engine": {"device": str(device), "max_batch_rows": cfg.generation_batch, "kv_capacity_tokens": 16384},
         }
     )
     from hsmc.models.tokenizer import encode_prompt
@@ -152,7 +155,7 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
 
     out = Path(cfg.output_dir)
     accelerator = Accelerator()
-    data = generate_data(cfg, out)
+    data = generate_data(cfg, out, accelerator.device)
     verifier = load_model(cfg.verifier, cfg.dtype, accelerator.device)
     verifier_cfg = read_hf_config(resolve_folder(cfg.verifier)).to_dict()
     d2t, t2d = build_vocab_mapping(data["counts"], cfg.draft_vocab_size)
