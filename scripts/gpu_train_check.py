@@ -43,7 +43,7 @@ cfg = load_train_config(
     )  # fmt: skip
 )
 head, _ = load_eagle3_head(str(train_eagle(cfg)))
-log = [json.loads(line) for line in (out / "run" / "log.jsonl").read_text().splitlines()]
+log = [json.loads(line) for line in (out / run / "log.jsonl").read_text().splitlines()]
 print(
     f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}: steps {len(log)}, "
     f"loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, top1[0] {log[0]['top1'][0]:.2f} -> {log[-1]['top1'][0]:.2f}, "

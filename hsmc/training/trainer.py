@@ -155,7 +155,8 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
 
     out = Path(cfg.output_dir)
     accelerator = Accelerator()
-    data = generate_data(cfg, out, accelerator.device)
+    with accelerator.main_process_first():  # one process generates and caches; the others read the cache
+        data = generate_data(cfg, out, accelerator.device)
     verifier = load_model(cfg.verifier, cfg.dtype, accelerator.device)
     verifier_cfg = read_hf_config(resolve_folder(cfg.verifier)).to_dict()
     d2t, t2d = build_vocab_mapping(data["counts"], cfg.draft_vocab_size)
