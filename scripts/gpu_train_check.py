@@ -17,13 +17,13 @@ from conftest import make_tiny_model  # noqa: E402
 from hsmc.eagle.checkpoint import load_eagle3_head  # noqa: E402
 from hsmc.training.trainer import load_train_config, train_eagle  # noqa: E402
 
-out = Path(sys.argv[1])
-verifier = make_tiny_model("llama", out / "verifier", seed=6)
-gen = torch.Generator().manual_seed(0)
-prompts = out / "prompts.jsonl"
-prompts.write_text(
-    "\n".join(json.dumps({"ids": torch.randint(3, 100, (6,), generator=gen).tolist()}) for _ in range(24))
-)
+out, run = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "run"
+verifier, prompts = out / "verifier", out / "prompts.jsonl"
+if not prompts.exists():  # the first (single-process) call creates the tiny verifier and prompts
+    make_tiny_model("llama", verifier, seed=6)
+    gen = torch.Generator().manual_seed(0)
+    lines = [json.dumps({"ids": torch.randint(3, 100, (6,), generator=gen).tolist()}) for _ in range(24)]
+    prompts.write_text("\n".join(lines))
 cfg = load_train_config(
     dict(
         verifier=str(verifier),
@@ -39,7 +39,7 @@ cfg = load_train_config(
         warmup_steps=2,
         ttt_steps=3,
         checkpoint_every=20,
-        output_dir=str(out / "run"),
+        output_dir=str(out / run),
     )  # fmt: skip
 )
 head, _ = load_eagle3_head(str(train_eagle(cfg)))
@@ -47,5 +47,5 @@ log = [json.loads(line) for line in (out / run / "log.jsonl").read_text().splitl
 print(
     f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}: steps {len(log)}, "
     f"loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, top1[0] {log[0]['top1'][0]:.2f} -> {log[-1]['top1'][0]:.2f}, "
-    f"checkpoints {sorted(p.name for p in (out / 'run').glob('checkpoint-*'))}"
+    f"checkpoints {sorted(p.name for p in (out / run).glob('checkpoint-*'))}, GPUs {torch.cuda.device_count()}"
 )
