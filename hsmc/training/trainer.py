@@ -143,6 +143,19 @@ def init_head(config: dict, d2t: torch.Tensor, t2d: torch.Tensor, device: torch.
     return head
 
 
+class TTTObjective(torch.nn.Module):
+    """The head behind a forward that returns the TTT loss, so accelerate's DDP wrapper sees the
+    forward (gradients are then all-reduced across processes)."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.nn.Embedding, steps: int) -> None:
+        super().__init__()
+        self.head, self.embed, self.steps = head, embed, steps
+
+    def forward(self, batch: TTTBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        out = ttt_loss(self.head, self.embed, batch, self.steps)
+        return out.loss, torch.tensor(out.accuracy)
+
+
 def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
     found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
     return max(found) if found else None
@@ -165,13 +178,14 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
     head = init_head(head_cfg, d2t, t2d, accelerator.device, cfg.seed)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
-    head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
+    objective, optimizer, scheduler = accelerator.prepare(
+        TTTObjective(head, verifier.model.model.embed_tokens, cfg.ttt_steps), optimizer, scheduler
+    )
     step = 0
     if resume := latest_checkpoint(out):
         step, path = resume
         accelerator.load_state(str(path))
         accelerator.print(f"hsmc: resuming from {path} (step {step})")
-    embed = verifier.model.model.embed_tokens
     n = len(data["sequences"])
     tokens_seen, began, accuracy = 0, time.perf_counter(), []
     log = (out / "log.jsonl").open("a")
@@ -184,8 +198,8 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
             seqs = [data["sequences"][i] for i in pick.tolist()]
             with torch.no_grad():
                 batch = _verifier_batch(verifier, layers, seqs, [data["starts"][i] for i in pick.tolist()])
-            result = ttt_loss(accelerator.unwrap_model(head), embed, batch, cfg.ttt_steps)
-            accelerator.backward(result.loss)
+            loss, top1 = objective(batch)
+            accelerator.backward(loss)
             accelerator.clip_grad_norm_(head.parameters(), cfg.grad_clip)
             optimizer.step()
             scheduler.step()
@@ -193,9 +207,10 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
             step += 1
             tokens_seen += int(batch.loss_mask.sum())
             bar.update()
-            accuracy = result.accuracy
-            bar.set_postfix(loss=f"{result.loss.item():.3f}", top1=f"{accuracy[0]:.2f}/{accuracy[-1]:.2f}")
-            log.write(json.dumps({"step": step, "loss": result.loss.item(), "top1": accuracy}) + "\n")
+            accuracy = top1.tolist()
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{accuracy[0]:.2f}/{accuracy[-1]:.2f}")
+            if accelerator.is_main_process:
+                log.write(json.dumps({"step": step, "loss": loss.item(), "top1": accuracy}) + "\n")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 accelerator.save_state(str(out / f"checkpoint-{step}"))
     except KeyboardInterrupt:
@@ -205,8 +220,7 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
     finally:
         bar.close()
         log.close()
-    final = accelerator.unwrap_model(head)
-    export = save_eagle3_head(final, head_cfg, out / "head")
+    export = save_eagle3_head(accelerator.unwrap_model(objective).head, head_cfg, out / "head")
     # a greedy chain keeps draft k while steps 0..k all agree: 1 + sum_k prod_{j<=k} top1_j tokens per verify
     estimate = 1 + sum(torch.tensor(accuracy[: k + 1]).prod().item() for k in range(len(accuracy)))
     accelerator.print(
