@@ -6,6 +6,7 @@ python scripts/gpu_train_check.py OUTPUT_DIR
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,8 @@ cfg = load_train_config(
     )  # fmt: skip
 )
 head, _ = load_eagle3_head(str(train_eagle(cfg)))
+if int(os.environ.get("RANK", "0")) != 0:  # the main process writes the log
+    sys.exit(0)
 log = [json.loads(line) for line in (out / run / "log.jsonl").read_text().splitlines()]
 print(
     f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}: steps {len(log)}, "
