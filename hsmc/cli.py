@@ -10,10 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hsmc.config import ConfigError
-from hsmc.engine.kv_pool import KVCapacityError
-from hsmc.models.demo import ChecksumError
-from hsmc.models.loading import ModelLoadError
+from hsmc.errors import HsmcError
 
 
 def _read_prompts(args: argparse.Namespace, default: list[str]) -> list[str]:
@@ -22,13 +19,13 @@ def _read_prompts(args: argparse.Namespace, default: list[str]) -> list[str]:
     if args.prompts_file is not None:
         path = Path(args.prompts_file)
         if not path.is_file():
-            raise ConfigError(f"--prompts-file: no such file {path}")
+            raise HsmcError(f"--prompts-file: no such file {path}")
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         if path.suffix == ".jsonl":
             return [json.loads(line)["prompt"] for line in lines]
         return lines
     if not default:
-        raise ConfigError("no prompts: pass --prompt, --prompts-file, or set `prompts` in the config")
+        raise HsmcError("no prompts: pass --prompt, --prompts-file, or set `prompts` in the config")
     return default
 
 
@@ -81,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             train_eagle(load_train_config(args.config, args.overrides))
             return 0
         _generate(args)
-    except (ConfigError, ModelLoadError, KVCapacityError, ChecksumError, ValueError) as e:
+    except (HsmcError, ValueError) as e:
         print(f"hsmc: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -16,13 +16,11 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hsmc.errors import ConfigError
+
 T = TypeVar("T")
 LEVEL_KINDS = ("model", "eagle3", "rejection", "smc")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the key."""
 
 
 @dataclass

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from hsmc.config import ConfigError, GenerationConfig, HsmcConfig, load_config, validate
+from hsmc.config import GenerationConfig, HsmcConfig, load_config, validate
 from hsmc.engine.scheduler import plan_waves
+from hsmc.errors import ConfigError
 from hsmc.levels.stack import build_stack
 from hsmc.models.tokenizer import encode_prompt
 from hsmc.stopping import StopCriteria

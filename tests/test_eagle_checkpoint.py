@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, new_head_config, save_eagle3_head
-from hsmc.models.loading import ModelLoadError
+from hsmc.errors import ModelLoadError
 
 SIZES = H, HEADS, KV, HD, INTER, VOCAB, DRAFT = 48, 4, 2, 12, 80, 101, 32
 
@@ -121,10 +121,10 @@ def test_head_forward_matches_a_plain_reading_of_the_spec(tmp_path):
     cat(input_layernorm(embed), hidden_norm(h)); post-attention norm, SiLU MLP, residual; norm; lm_head."""
     import torch.nn.functional as F
 
-    from hsmc.engine.attention import TorchAttention
-    from hsmc.engine.batch import ForwardBatch
-    from hsmc.engine.kv_cache import KVCache
     from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+    from hsmc.ops.attention import TorchAttention
+    from hsmc.ops.batch import ForwardBatch
+    from hsmc.ops.kv_cache import KVCache
 
     folder, w = published_layout(tmp_path / "h", dtype=torch.float32, seed=5)
     head, _ = load_eagle3_head(str(folder))
@@ -137,7 +137,7 @@ def test_head_forward_matches_a_plain_reading_of_the_spec(tmp_path):
     tables.append(rows, t)
     cache = KVCache(1, 64, KV, HD, torch.float32, "cpu")
     batch = ForwardBatch.build(
-        tables, rows, torch.zeros(1, t, dtype=torch.int64), torch.tensor([t]), torch.tensor([0]), t, 64
+        tables.table, rows, torch.zeros(1, t, dtype=torch.int64), torch.tensor([t]), torch.tensor([0]), t, 64
     )
     out, logits = head(embeds, head.fc(features), batch, cache, TorchAttention())
 

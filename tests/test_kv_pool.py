@@ -8,7 +8,8 @@ from helpers import assert_pools_empty
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsmc.engine.kv_pool import BlockTables, KVCapacityError, SlotAllocator, check_invariants
+from hsmc.engine.kv_pool import BlockTables, SlotAllocator, check_invariants
+from hsmc.errors import KVCapacityError
 
 ROWS, WIDTH, SLOTS = 6, 24, 96
 

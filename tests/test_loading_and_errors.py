@@ -10,12 +10,11 @@ import torch
 from conftest import make_tiny_model
 from helpers import assert_pools_empty
 
-from hsmc.config import ConfigError, load_config
+from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.kv_pool import KVCapacityError
-from hsmc.models.config import UnsupportedArchitectureError
-from hsmc.models.demo import DEMO_MODELS, ChecksumError, demo_gguf
-from hsmc.models.loading import ModelLoadError, load_model
+from hsmc.errors import ChecksumError, ConfigError, KVCapacityError, ModelLoadError, UnsupportedArchitectureError
+from hsmc.models.demo import DEMO_MODELS, demo_gguf
+from hsmc.models.loading import load_model
 
 
 @pytest.fixture(scope="module")

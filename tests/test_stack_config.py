@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from conftest import make_tiny_model
 
-from hsmc.config import ConfigError, load_config
+from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.errors import ConfigError
 
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml") if "train" not in p.name)
 

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from hsmc.eagle.head import Eagle3Head
+from hsmc.errors import ModelLoadError
 from hsmc.models.config import DecoderConfig
-from hsmc.models.loading import DTYPES, ModelLoadError, resolve_folder
+from hsmc.models.loading import DTYPES, resolve_folder
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _VERIFIER_KEYS = (

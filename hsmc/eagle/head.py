@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hsmc.engine.attention import AttentionBackend
-from hsmc.engine.batch import ForwardBatch
-from hsmc.engine.kv_cache import KVCache
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import MLP, Attention, LayerContext, RMSNorm, rope_cos_sin
+from hsmc.ops.attention import AttentionBackend
+from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.kv_cache import KVCache
 
 
 class Eagle3Layer(nn.Module):

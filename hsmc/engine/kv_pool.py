@@ -18,10 +18,6 @@ from __future__ import annotations
 import torch
 
 
-class KVCapacityError(RuntimeError):
-    """A request needs more KV slots than the engine was given (`engine.kv_capacity_tokens`)."""
-
-
 class SlotAllocator:
     """Refcounted token slots shared by every model's KV cache."""
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from hsmc.engine.attention import AttentionBackend, TorchAttention
-from hsmc.engine.batch import ForwardBatch
-from hsmc.engine.kv_cache import KVCache
 from hsmc.engine.kv_pool import BlockTables
 from hsmc.models.decoder import DecoderLM, ForwardOutput
+from hsmc.ops.attention import AttentionBackend, TorchAttention
+from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.kv_cache import KVCache
 
 
 class ModelRunner:
@@ -36,5 +36,5 @@ class ModelRunner:
         capture: tuple[int, ...] = (),
     ) -> ForwardOutput:
         """Process `tokens[i, :num_new[i]]` at positions `start[i]...` of `rows[i]` (see ForwardBatch.build)."""
-        batch = ForwardBatch.build(self.tables, rows, tokens, num_new, start, max_context, self.cache.trash_slot)
+        batch = ForwardBatch.build(self.tables.table, rows, tokens, num_new, start, max_context, self.cache.trash_slot)
         return self.model(batch, self.cache, self.backend, capture)

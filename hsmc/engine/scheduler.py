@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hsmc.engine.kv_pool import KVCapacityError
+from hsmc.errors import KVCapacityError
 
 
 def plan_waves(

@@ -16,13 +16,13 @@ import time
 import torch
 
 from hsmc.eagle.head import Eagle3Head
-from hsmc.engine.attention import TorchAttention
-from hsmc.engine.batch import ForwardBatch
-from hsmc.engine.kv_cache import KVCache
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.sampler import sample
 from hsmc.levels.base import Proposal, StepOutput
 from hsmc.models.decoder import DecoderLM
+from hsmc.ops.attention import TorchAttention
+from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.kv_cache import KVCache
 
 
 class SeqOnly:
@@ -190,7 +190,7 @@ class Eagle3Level:
         self.tables.append(rows, width)
         self.tables.rollback(rows, width - count, width)
         batch = ForwardBatch.build(
-            self.tables, rows, tokens, count, start, int((start + count).max()), self.cache.trash_slot
+            self.tables.table, rows, tokens, count, start, int((start + count).max()), self.cache.trash_slot
         )
         with torch.inference_mode():
             out = self.head(self.embed(tokens).to(hidden.dtype), hidden, batch, self.cache, self.backend)

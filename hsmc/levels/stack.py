@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from hsmc.config import ConfigError, HsmcConfig, LevelConfig
+from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head
+from hsmc.errors import ConfigError
 from hsmc.levels.base import Level, SequenceState
 from hsmc.levels.eagle3 import Eagle3Level
 from hsmc.levels.model import ModelLevel

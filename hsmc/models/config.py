@@ -12,12 +12,10 @@ from typing import Any
 
 import torch
 
+from hsmc.errors import UnsupportedArchitectureError
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The config names a model family or feature the decoder does not implement."""
 
 
 def check_architecture(model_type: str | None, source: str) -> str:

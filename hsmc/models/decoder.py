@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hsmc.engine.attention import AttentionBackend
-from hsmc.engine.batch import ForwardBatch
-from hsmc.engine.kv_cache import KVCache
 from hsmc.models.config import DecoderConfig
+from hsmc.ops.attention import AttentionBackend
+from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):

@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsmc.models.loading import ModelLoadError
+from hsmc.errors import ChecksumError, ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,6 @@ DEMO_MODELS = {
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     )
 }
-
-
-class ChecksumError(RuntimeError):
-    """A downloaded or cached asset does not have the published sha256."""
 
 
 def cache_dir() -> Path:

@@ -16,16 +16,13 @@ from typing import Any
 
 import torch
 
+from hsmc.errors import ModelLoadError
 from hsmc.models.config import DecoderConfig, check_architecture
 from hsmc.models.decoder import DecoderLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)
-
-
-class ModelLoadError(ValueError):
-    """A model could not be found or read; the message names the source and what is wrong."""
 
 
 @dataclass

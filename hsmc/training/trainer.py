@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hsmc.config import ConfigError, load_structured
+from hsmc.config import load_structured
 from hsmc.eagle.checkpoint import capture_layers, head_from_config, new_head_config, save_eagle3_head
 from hsmc.eagle.head import Eagle3Head
+from hsmc.errors import ConfigError
 from hsmc.levels.base import SequenceState
 from hsmc.models.loading import LoadedModel, load_model, read_hf_config, resolve_folder
 from hsmc.training.ttt import TTTBatch, ttt_loss

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hsmc.engine.kv_pool import BlockTables
-
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -26,7 +24,7 @@ class ForwardBatch:
     @classmethod
     def build(
         cls,
-        tables: BlockTables,
+        block_table: torch.Tensor,
         rows: torch.Tensor,
         tokens: torch.Tensor,
         num_new: torch.Tensor,
@@ -44,7 +42,7 @@ class ForwardBatch:
         offsets = torch.arange(tokens.shape[1], device=tokens.device)
         valid = offsets[None, :] < num_new[:, None]
         positions = start[:, None] + torch.minimum(offsets[None, :], (num_new - 1).clamp_min(0)[:, None])
-        table = tables.table[rows]
+        table = block_table[rows]
         write_slots = torch.where(valid, table.gather(1, positions), trash_slot)
         return cls(
             rows=rows,

@@ -12,8 +12,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from hsmc.engine.batch import ForwardBatch
-from hsmc.engine.kv_cache import KVCache
+from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.kv_cache import KVCache
 
 
 class AttentionBackend(Protocol):
