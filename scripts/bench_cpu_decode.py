@@ -23,7 +23,7 @@ from hsmc.decoder import HierarchicalDecoder
 from hsmc.models.demo import demo_model_folder
 from hsmc.models.tokenizer import encode_prompt
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"
+GSM8K = Path(__file__).resolve().parents[1] / "evals" / "data" / "gsm8k_test.jsonl"
 
 
 def _median_seconds(fn, repeats: int) -> float:

@@ -22,7 +22,7 @@ from hsmc.decoder import HierarchicalDecoder
 from hsmc.eagle.checkpoint import load_eagle3_head, save_eagle3_head
 from hsmc.training.trainer import init_head
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[1] / "evals" / "data" / "gsm8k_test.jsonl"
 
 
 def run(levels: list[dict], questions: list[str], new_tokens: int) -> tuple[float, float | None]:

@@ -17,7 +17,7 @@ from hsmc.models.decoder import DecoderLM
 from hsmc.models.loading import load_model
 
 TOL = 1e-4
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[1] / "evals" / "data" / "gsm8k_test.jsonl"
 
 
 class _Pairs(dict):
