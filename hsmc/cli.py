@@ -56,6 +56,38 @@ def _generate(args: argparse.Namespace) -> None:
         print(f"{level['kind']:<10} {level['model'][-28:]:<28} {level['share_of_time']:>5.0%}  {extra}")
 
 
+def _bench(args: argparse.Namespace) -> None:
+    import torch
+
+    from hsmc.bench import run_bench, to_json
+    from hsmc.config import load_config
+    from hsmc.models.shapes import SHAPES
+
+    if not torch.cuda.is_available():
+        raise HsmcError("hsmc bench measures GPU decode speed and needs a CUDA device")
+    shapes = [s for s in (args.shape or "").split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown or not (shapes or args.config):
+        raise HsmcError(f"bench: pass --config or --shape with one of {', '.join(SHAPES)} (got {unknown or 'none'})")
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise HsmcError(f"bench: --batch takes comma-separated integers, got {args.batch!r}") from None
+    config = load_config(args.config, args.overrides) if args.config else None
+    engine = {
+        "max_batch_rows": max(batches),
+        "kv_capacity_tokens": max(batches) * (args.prompt_tokens + args.new_tokens + 64),
+    }
+    rows, table = run_bench(
+        shapes, config, batches, args.prompt_tokens, args.new_tokens, args.dtype, not args.no_baseline, engine
+    )
+    print(to_json(rows) if args.json else table)
+    if args.plot:
+        from hsmc.bench import plot
+
+        plot(rows, Path(args.plot))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hsmc", description="Hierarchical speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,12 +102,26 @@ def main(argv: list[str] | None = None) -> int:
         "--config", required=True, help="YAML with the TrainEagleConfig keys (configs/train_eagle_demo.yaml)"
     )
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. steps=500")
+    bench = sub.add_parser("bench", help="decode tok/s vs the bandwidth roofline and transformers (GPU)")
+    bench.add_argument("--shape", help="comma-separated model shapes with random weights, e.g. qwen3-8b,qwen3-32b")
+    bench.add_argument("--config", help="a config whose stack is measured as configured")
+    bench.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
+    bench.add_argument("--prompt-tokens", type=int, default=128)
+    bench.add_argument("--new-tokens", type=int, default=256)
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    bench.add_argument("--no-baseline", action="store_true", help="skip transformers' eager generate")
+    bench.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    bench.add_argument("--plot", help="write a tok/s-vs-batch chart (PNG) here")
+    bench.add_argument("overrides", nargs="*", help="config overrides for --config")
     args = parser.parse_args(argv)
     try:
         if args.command == "train-eagle":
             from hsmc.training.trainer import load_train_config, train_eagle
 
             train_eagle(load_train_config(args.config, args.overrides))
+            return 0
+        if args.command == "bench":
+            _bench(args)
             return 0
         _generate(args)
     except (HsmcError, ValueError) as e:

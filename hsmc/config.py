@@ -21,6 +21,7 @@ from hsmc.errors import ConfigError
 T = TypeVar("T")
 LEVEL_KINDS = ("model", "eagle3", "rejection", "smc")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -53,6 +54,16 @@ class EngineConfig:
     device: str = "cpu"
     max_batch_rows: int = 16
     kv_capacity_tokens: int = 4096
+    attention: str | None = None  # kernel backend: torch | triton; default triton on cuda, torch elsewhere
+    cuda_graphs: bool | None = None  # replay captured CUDA graphs for decode/verify forwards; default: on cuda
+
+    @property
+    def resolved_attention(self) -> str:
+        return self.attention or ("triton" if self.device.startswith("cuda") else "torch")
+
+    @property
+    def resolved_cuda_graphs(self) -> bool:
+        return self.device.startswith("cuda") if self.cuda_graphs is None else self.cuda_graphs
 
 
 @dataclass
@@ -117,6 +128,13 @@ def validate(cfg: HsmcConfig, where: str = "config") -> None:
                 raise ConfigError(f"{key}: a rejection level drafts from a 'model' or 'eagle3' level directly below it")
         if level.kind == "smc":
             _validate_smc(level, cfg.levels[i - 1], key)
+    engine = cfg.engine
+    if engine.attention not in (None, *ATTENTION_BACKENDS):
+        raise ConfigError(
+            f"{where}: engine.attention={engine.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+        )
+    if engine.resolved_cuda_graphs and not engine.device.startswith("cuda"):
+        raise ConfigError(f"{where}: engine.cuda_graphs=true needs engine.device=cuda, not {engine.device!r}")
     for key, value in (
         ("generation.max_new_tokens", cfg.generation.max_new_tokens),
         ("engine.max_batch_rows", cfg.engine.max_batch_rows),

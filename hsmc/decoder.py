@@ -17,9 +17,11 @@ import torch
 from omegaconf import DictConfig
 
 from hsmc.config import GenerationConfig, HsmcConfig, load_config, validate
+from hsmc.engine.host_io import PendingRead, upload
 from hsmc.engine.scheduler import plan_waves
 from hsmc.errors import ConfigError
 from hsmc.levels.stack import build_stack
+from hsmc.models.loading import LoadedModel
 from hsmc.models.tokenizer import encode_prompt
 from hsmc.stopping import StopCriteria
 
@@ -39,15 +41,18 @@ class Result:
 
 
 class HierarchicalDecoder:
-    def __init__(self, config: HsmcConfig) -> None:
+    def __init__(self, config: HsmcConfig, models: dict[str, LoadedModel] | None = None) -> None:
+        """`models` supplies already-built models by the `model` string a level names (e.g. random weights
+        of a real shape for `hsmc bench`); every other level loads its model as usual."""
         self.config = config
-        self.stack = build_stack(config)
+        self.stack = build_stack(config, models or {})
         self.tokenizer = self.stack.tokenizer
 
     @classmethod
     def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HierarchicalDecoder:
         return cls(load_config(source, overrides))
 
+    @torch.inference_mode()
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -109,37 +114,68 @@ class HierarchicalDecoder:
     def _stream_wave(
         self, prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria, finished: Callable[[int], None]
     ) -> list[Completion]:
-        """Decode rows from a non-SMC top level, one acknowledged token per row and step."""
+        """Decode rows from a non-SMC top level: each step runs one round for every unfinished row and hands
+        over all the tokens it produced. The host reads a step's tokens (one copy) while the next step
+        already runs, so stop checks overlap with the GPU; a row that finished is released one step later
+        and the tokens of its extra step are dropped."""
         top = self.stack.top
         device = top.state.seq.device
-        rows = torch.arange(len(prompts), device=device)
+        rows = upload(torch.arange(len(prompts)), device)
         top.load_prompts(rows, prompts)
+        top.set_len_bound(max(len(p) for p in prompts))
         completions = [Completion([], "length") for _ in prompts]
+        lengths = [len(p) for p in prompts]  # each row's sequence length on the device, as far as read
+        active = list(range(len(prompts)))
+        in_flight: tuple[list[int], PendingRead] | None = None
         try:
             top.prefill(rows)
-            active = list(range(len(prompts)))
-            while active:
-                act_rows = rows[torch.tensor(active, device=device)]
-                tokens = top.propose(act_rows, 1).tokens[:, 0].tolist()
-                top.commit(act_rows, 1)
-                still, done = [], []
-                for i, tok in zip(active, tokens):
-                    generated = completions[i].token_ids
-                    generated.append(tok)
-                    stopped = stop.first_stop(generated, len(generated) - 1) is not None
-                    if stopped:
-                        completions[i].finish_reason = "stop"
-                    if stopped or len(generated) == max_new_tokens:
-                        finished(i)
-                        done.append(i)
-                    else:
-                        still.append(i)
-                if done:
-                    top.release(rows[torch.tensor(done, device=device)])
-                active = still
+            while active or in_flight:
+                launched = None
+                if active:
+                    emission = top.step(rows)
+                    launched = (active, PendingRead(torch.cat([emission.tokens, emission.count[:, None]], 1)))
+                if in_flight is not None:
+                    done = self._take_step(*in_flight, completions, lengths, max_new_tokens, stop, finished)
+                    if done:
+                        active = [i for i in active if i not in done]
+                        top.release(upload(torch.tensor(sorted(done)), device))
+                        rows = upload(torch.tensor(active, dtype=torch.int64), device)
+                    if active:
+                        top.set_len_bound(max(lengths[i] for i in active) + top.step_growth)
+                in_flight = launched
             return completions
         finally:
-            top.release(rows)
+            top.release(upload(torch.arange(len(prompts)), device))
+
+    @staticmethod
+    def _take_step(
+        stepped: list[int],
+        read: PendingRead,
+        completions: list[Completion],
+        lengths: list[int],
+        max_new_tokens: int,
+        stop: StopCriteria,
+        finished: Callable[[int], None],
+    ) -> set[int]:
+        """Apply one step's tokens (row j of the read belongs to prompt stepped[j]); returns the prompts
+        that finished with it."""
+        done = set()
+        for i, values in zip(stepped, read.result()):
+            generated = completions[i].token_ids
+            if len(generated) >= max_new_tokens or completions[i].finish_reason == "stop":
+                continue  # finished by an earlier step; this is its extra step
+            count = values[-1]
+            lengths[i] += count
+            before = len(generated)
+            generated += values[:count][: max_new_tokens - before]
+            cut = stop.first_stop(generated, before)
+            if cut is not None:
+                del generated[cut:]
+                completions[i].finish_reason = "stop"
+            if cut is not None or len(generated) == max_new_tokens:
+                finished(i)
+                done.add(i)
+        return done
 
     def _level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
         out = []

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels then run (and are tested) through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_CONFIGS = {
     "llama": dict(
         model_type="llama",

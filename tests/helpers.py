@@ -6,33 +6,52 @@ import torch
 
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.runner import ModelRunner
+from hsmc.levels.base import SequenceState
 from hsmc.models.decoder import DecoderLM
+from hsmc.ops.backend import Backend, TorchBackend
 
 
 def make_runner(
-    model: DecoderLM, num_slots: int = 2048, max_rows: int = 16, max_row_tokens: int = 256, device: str = "cpu"
+    model: DecoderLM,
+    num_slots: int = 2048,
+    max_rows: int = 16,
+    max_row_tokens: int = 256,
+    device: str = "cpu",
+    capture: tuple[int, ...] = (),
+    backend: Backend | None = None,
+    cuda_graphs: bool = False,
 ) -> ModelRunner:
-    return ModelRunner(model, BlockTables(SlotAllocator(num_slots, device), max_rows, max_row_tokens))
+    tables = BlockTables(SlotAllocator(num_slots, device), max_rows, max_row_tokens)
+    backend = backend or TorchBackend()
+    return ModelRunner(model, tables, backend, model.config.num_layers, cuda_graphs=cuda_graphs, capture=capture)
 
 
-def run_new_tokens(runner: ModelRunner, rows: list[int], new: list[list[int]], capture: tuple[int, ...] = ()):
+def make_state(model: DecoderLM, max_rows: int, capacity: int, capture: tuple[int, ...] = ()) -> SequenceState:
+    """A level's row state for `model` on the CPU reference backend."""
+    runner = make_runner(model, capacity, max_rows, capacity, capture=capture)
+    return SequenceState(runner, max_rows, capacity)
+
+
+@torch.inference_mode()
+def run_new_tokens(runner: ModelRunner, rows: list[int], new: list[list[int]]):
     """Append `new[i]` to row `rows[i]` (ragged) and run them in ONE forward; returns per-row logits
-    [n_i, V] and captured streams [n_i, len(capture), H]."""
-    tables, device = runner.tables, runner.device
+    [n_i, V] and captured streams [n_i, len(capture), H] (None without capture)."""
+    device = runner.device
     r = torch.tensor(rows, device=device)
     counts = torch.tensor([len(n) for n in new], device=device)
     width = max(len(n) for n in new)
-    start = tables.length[r].clone()
-    tables.append(r, width)
-    tables.rollback(r, width - counts, width)
     tokens = torch.zeros(len(rows), width, dtype=torch.int64, device=device)
     for i, n in enumerate(new):
         tokens[i, : len(n)] = torch.tensor(n, device=device)
-    out = runner.forward(r, tokens, counts, start, int((start + counts).max()), capture)
-    logits = runner.model.logits(out.hidden)
+    context = int((runner.tables.length[r] + counts).max())
+    batch = runner.new_tokens(r, tokens, counts, context)
+    logits, features = runner.forward(batch)
+    capture = runner.module_kwargs.get("capture", ())
+    if features is not None:
+        features = features.unflatten(-1, (len(capture), -1))
     return (
         [logits[i, : len(n)] for i, n in enumerate(new)],
-        [out.captured[i, : len(n)] for i, n in enumerate(new)] if capture else None,
+        [features[i, : len(n)] for i, n in enumerate(new)] if capture else None,
     )
 
 
@@ -46,6 +65,6 @@ def assert_pools_empty(decoder) -> None:
     from hsmc.engine.kv_pool import check_invariants
 
     for level in decoder.stack.levels:
-        tables = level.tables if hasattr(level, "tables") else level.state.tables
+        tables = level.runner.tables if hasattr(level, "runner") else level.state.runner.tables
         check_invariants(tables.allocator, [tables])
         assert tables.allocator.num_free() == tables.allocator.num_slots, f"{type(level).__name__} leaked KV slots"

@@ -122,9 +122,8 @@ def test_head_forward_matches_a_plain_reading_of_the_spec(tmp_path):
     import torch.nn.functional as F
 
     from hsmc.engine.kv_pool import BlockTables, SlotAllocator
-    from hsmc.ops.attention import TorchAttention
-    from hsmc.ops.batch import ForwardBatch
-    from hsmc.ops.kv_cache import KVCache
+    from hsmc.engine.runner import ModelRunner
+    from hsmc.ops.backend import TorchBackend
 
     folder, w = published_layout(tmp_path / "h", dtype=torch.float32, seed=5)
     head, _ = load_eagle3_head(str(folder))
@@ -132,14 +131,11 @@ def test_head_forward_matches_a_plain_reading_of_the_spec(tmp_path):
     g = torch.Generator().manual_seed(1)
     features, embeds = torch.randn(1, t, 3 * H, generator=g), torch.randn(1, t, H, generator=g)
 
-    tables = BlockTables(SlotAllocator(64), 1, 64)
+    runner = ModelRunner(head, BlockTables(SlotAllocator(64), 1, 64), TorchBackend(), num_layers=1)
     rows = torch.tensor([0])
-    tables.append(rows, t)
-    cache = KVCache(1, 64, KV, HD, torch.float32, "cpu")
-    batch = ForwardBatch.build(
-        tables.table, rows, torch.zeros(1, t, dtype=torch.int64), torch.tensor([t]), torch.tensor([0]), t, 64
-    )
-    out, logits = head(embeds, head.fc(features), batch, cache, TorchAttention())
+    batch = runner.new_tokens(rows, torch.zeros(1, t, dtype=torch.int64), torch.tensor([t]), t)
+    with torch.no_grad():
+        out, logits = runner.forward(batch, embeds=embeds, hidden=head.fc(features))
 
     def rms(x, weight):
         return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

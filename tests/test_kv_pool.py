@@ -14,8 +14,12 @@ from hsmc.errors import KVCapacityError
 ROWS, WIDTH, SLOTS = 6, 24, 96
 
 op = st.one_of(
-    st.tuples(
-        st.just("append"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True), st.integers(1, 5)
+    st.tuples(  # ragged: each row gets its own count (0 allowed), the width is the largest plus padding
+        st.just("append"),
+        st.lists(
+            st.tuples(st.integers(0, ROWS - 1), st.integers(0, 5)), min_size=1, max_size=3, unique_by=lambda x: x[0]
+        ),
+        st.integers(0, 2),
     ),
     st.tuples(
         st.just("fork"),
@@ -44,13 +48,15 @@ def test_random_operation_sequences_keep_invariants(ops):
     model: list[list[int]] = [[] for _ in range(ROWS)]  # plain-Python mirror of every row's slots
     for kind, *args in ops:
         if kind == "append":
-            rows, n = args
-            if any(len(model[r]) + n > WIDTH for r in rows) or alloc.num_free() < n * len(rows):
+            pairs, pad = args
+            rows, counts = [r for r, _ in pairs], [c for _, c in pairs]
+            if any(len(model[r]) + c > WIDTH for r, c in pairs) or alloc.num_free() < sum(counts):
                 continue
-            slots = tables.append(torch.tensor(rows), n)
-            for r, new in zip(rows, slots.tolist()):
-                assert all(s not in _model_refcounts(model) for s in new), "allocated a slot that is in use"
-                model[r].extend(new)
+            slots = tables.append(torch.tensor(rows), torch.tensor(counts), max(counts) + pad)
+            for r, c, new in zip(rows, counts, slots.tolist()):
+                assert all(s not in _model_refcounts(model) for s in new[:c]), "allocated a slot that is in use"
+                assert all(s == alloc.trash_slot for s in new[c:]), "padding must get the trash slot"
+                model[r].extend(new[:c])
         elif kind == "fork":
             pairs = dict((dst, src) for src, dst in args[0])  # one source per destination
             dst, src = list(pairs), list(pairs.values())
@@ -74,7 +80,7 @@ def test_random_operation_sequences_keep_invariants(ops):
         expected = torch.zeros(SLOTS, dtype=torch.int32)
         for s, c in _model_refcounts(model).items():
             expected[s] = c
-        assert torch.equal(alloc.refcount, expected)
+        assert torch.equal(alloc.refcount[:SLOTS], expected)
     tables.release(torch.arange(ROWS))
     check_invariants(alloc, [tables])
     assert alloc.num_free() == SLOTS, "pool did not return to empty"
@@ -83,7 +89,7 @@ def test_random_operation_sequences_keep_invariants(ops):
 def test_fan_out_shares_slots_and_frees_on_last_owner():
     alloc = SlotAllocator(32)
     tables = BlockTables(alloc, 4, 16)
-    tables.append(torch.tensor([0]), 5)
+    tables.append(torch.tensor([0]), torch.tensor([5]), 5)
     tables.copy_block_table(torch.tensor([0, 0, 0]), torch.tensor([1, 2, 3]))
     assert alloc.num_free() == 27
     tables.release(torch.tensor([0, 1, 2]))
@@ -97,7 +103,7 @@ def test_resampling_permutation_with_overlapping_rows():
     alloc = SlotAllocator(64)
     tables = BlockTables(alloc, 4, 16)
     for r in range(4):
-        tables.append(torch.tensor([r]), r + 1)
+        tables.append(torch.tensor([r]), torch.tensor([r + 1]), r + 1)
     before = [tables.table[r, : r + 1].tolist() for r in range(4)]
     ancestors = [2, 2, 0, 3]  # particle i takes the state of ancestors[i]
     tables.copy_block_table(torch.tensor(ancestors), torch.arange(4))
@@ -111,10 +117,10 @@ def test_errors_on_misuse():
     alloc = SlotAllocator(8)
     tables = BlockTables(alloc, 2, 6)
     with pytest.raises(RuntimeError, match="out of slots"):
-        alloc.alloc(9)
+        alloc.alloc(torch.tensor([4, 5]), 5)
     with pytest.raises(RuntimeError, match="longer than its block table"):
-        tables.append(torch.tensor([0]), 7)
-    slots = alloc.alloc(2)
+        tables.append(torch.tensor([0]), torch.tensor([7]), 7)
+    slots = alloc.alloc(torch.tensor([2]), 2)[0]
     alloc.inc_ref(slots[:1])
     with pytest.raises(RuntimeError, match="shared or already free"):
         alloc.free(slots)

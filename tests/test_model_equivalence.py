@@ -136,10 +136,10 @@ def test_captured_residual_streams_equal_hidden_states(pair):
     n = pair.ours.config.num_layers
     capture = (2, n // 2, n - 3, 0)
     (ids,) = pair.window(random.Random(4), 11)
-    runner = make_runner(pair.ours)
+    runner = make_runner(pair.ours, capture=capture)
     first = 6
-    _, (cap_a,) = run_new_tokens(runner, [0], [ids[:first]], capture)
-    _, (cap_b,) = run_new_tokens(runner, [0], [ids[first:]], capture)
+    _, (cap_a,) = run_new_tokens(runner, [0], [ids[:first]])
+    _, (cap_b,) = run_new_tokens(runner, [0], [ids[first:]])
     got = torch.cat([cap_a, cap_b])  # [T, len(capture), H]
     with torch.no_grad():
         ref = pair.hf(torch.tensor([ids]), output_hidden_states=True).hidden_states

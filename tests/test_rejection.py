@@ -141,9 +141,9 @@ def test_lossless_in_distribution(small_vocab_pair, draft_t):
 def test_feature_reading_drafter_receives_the_verifiers_residual_streams(pair):
     """The hook an EAGLE3 drafter uses: after the prompt and after every verify, the drafter gets
     the verifier's captured streams; the committed positions must equal transformers' hidden_states."""
+    from helpers import make_state
     from transformers import AutoModelForCausalLM
 
-    from hsmc.levels.base import SequenceState
     from hsmc.levels.model import ModelLevel
     from hsmc.levels.rejection import RejectionLevel
     from hsmc.models.loading import load_model
@@ -174,9 +174,9 @@ def test_feature_reading_drafter_receives_the_verifiers_residual_streams(pair):
                 self._record(rows, keep_len, features)
             super().accept(rows, keep_len, next_token)
 
-    cpu, gen = torch.device("cpu"), torch.Generator().manual_seed(0)
-    drafter = RecordingDrafter(SequenceState(load_model(str(draft_path)).model, 4, 512, cpu), 0.0, gen)
-    verifier = SequenceState(load_model(str(target_path)).model, 4, 512, cpu)
+    gen = torch.Generator().manual_seed(0)
+    drafter = RecordingDrafter(make_state(load_model(str(draft_path)).model, 4, 512), 0.0, gen)
+    verifier = make_state(load_model(str(target_path)).model, 4, 512, capture=layers)
     level = RejectionLevel(verifier, drafter, 3, 0.0, gen)
     rows = torch.tensor([0, 1])
     level.load_prompts(rows, [[5, 9, 13, 2], [7, 7]])

@@ -4,7 +4,8 @@ Inputs per position: the verifier's residual streams low‖mid‖high (3H, proje
 from the second draft step on, the head's own pre-norm output (H); and the embedding of the next
 token (the verifier's frozen embedding table, not stored). One Llama decoder layer whose attention
 sees cat(input_layernorm(embed), hidden_norm(hidden)) (2H) with `hidden` as the residual; then
-`norm` and an LM head over the reduced draft vocabulary, mapped back with `d2t`.
+`norm` and an LM head over the reduced draft vocabulary, mapped back with `d2t`. It runs through the
+same paged-KV forward contract as the decoder LM (batch, cache, backend), in inference and training.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 from torch import nn
 
 from hsmc.models.config import DecoderConfig
-from hsmc.models.decoder import MLP, Attention, LayerContext, RMSNorm, rope_cos_sin
-from hsmc.ops.attention import AttentionBackend
+from hsmc.models.decoder import MLP, Attention, LayerContext, RMSNorm, last_positions
+from hsmc.ops.backend import Backend, Rope
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.kv_cache import KVCache
 
@@ -30,9 +31,17 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        backend = ctx.backend
+        x = torch.cat(
+            [
+                backend.rms_norm(embeds, self.input_layernorm.weight, self.input_layernorm.eps),
+                backend.rms_norm(hidden, self.hidden_norm.weight, self.hidden_norm.eps),
+            ],
+            dim=-1,
+        )
+        norm = self.post_attention_layernorm
+        h, residual = backend.add_rms_norm(self.self_attn(x, ctx), hidden, norm.weight, norm.eps)
+        return residual + self.mlp(h, backend)
 
 
 class Eagle3Head(nn.Module):
@@ -49,19 +58,27 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False)
 
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.inv_freq, self.config.rope_attention_scaling)
+
     def forward(
         self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
         batch: ForwardBatch,
         cache: KVCache,
-        backend: AttentionBackend,
+        backend: Backend,
+        *,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds, hidden [R, T, H] -> (pre-norm output fed to the next step [R, T, H], draft logits)."""
-        rope = rope_cos_sin(self.inv_freq, self.config.rope_attention_scaling, batch.positions, hidden.dtype)
-        ctx = LayerContext(batch, cache, backend, backend.prepare(batch), rope)
+        """embeds, hidden [R, T, H] -> (pre-norm output fed to the next step [R, T, H], draft logits [R, T, Vd]);
+        with `last_only`, both at each row's last real pair only ([R, 1, ...])."""
+        ctx = LayerContext(batch, cache, backend, backend.prepare(batch, self.rope, hidden.dtype))
         out = self.midlayer(embeds, hidden, ctx)
-        return out, self.lm_head(self.norm(out))
+        if last_only:
+            out = last_positions(out, batch)
+        return out, self.lm_head(backend.rms_norm(out, self.norm.weight, self.norm.eps))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

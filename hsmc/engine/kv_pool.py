@@ -2,15 +2,18 @@
 
 Every model of a stack stores the KV of a token at the same *slot id* in its own cache
 (`KVCache`), so one set of refcounts serves all models' pools. A row (a request, or one SMC
-particle) owns a block table: position -> slot id, page size 1. Forking a row (fan-out of a
+particle) owns a block table: column -> slot id, page size 1. Forking a row (fan-out of a
 prompt to N particles, resampling) copies slot ids and bumps refcounts: no KV byte moves.
 
-All state lives in tensors on the engine's device and every operation is written as tensor
-ops with shapes fixed by its arguments: no Python loop over rows, no host sync, so the same
-code can later run inside a captured CUDA graph. A slot is free exactly when its refcount is 0;
-allocation takes the lowest-numbered free slots through a cumulative sum, so there is no free
-list to keep consistent. Misuse (out of slots, table overflow, double free) is caught by
-`torch._assert_async`, which raises immediately on CPU and without a sync on GPU.
+All state lives in tensors on the engine's device and every operation is a fixed sequence of
+tensor ops whose shapes depend only on host-known sizes: no Python loop over rows, no host read,
+so the same code runs inside a captured CUDA graph. Variable amounts (how many tokens a row gains
+or drops) are per-row counts on the device, applied through masks and weighted refcount updates
+(`index_add_` of 0 or ±1) instead of boolean compaction. A slot is free exactly when its refcount
+is 0; allocation takes the lowest-numbered free slots through a cumulative sum, so there is no
+free list to keep consistent. Slot id `num_slots` is the trash slot: padding writes and masked-out
+updates go there. Misuse (out of slots, table overflow, double free) is caught by
+`torch._assert_async`, which raises at once on the CPU and without a sync on the GPU.
 """
 
 from __future__ import annotations
@@ -19,40 +22,56 @@ import torch
 
 
 class SlotAllocator:
-    """Refcounted token slots shared by every model's KV cache."""
+    """Refcounted token slots shared by every model's KV cache (plus the trash slot `num_slots`)."""
 
     def __init__(self, num_slots: int, device: torch.device | str = "cpu") -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
-        self.refcount = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.refcount = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
 
     @property
     def device(self) -> torch.device:
         return self.refcount.device
 
-    def num_free(self) -> int:
-        """Host-side count of free slots (syncs: for admission control and tests, not the hot path)."""
-        return int((self.refcount == 0).sum())
+    @property
+    def trash_slot(self) -> int:
+        return self.num_slots
 
-    def alloc(self, n: int) -> torch.Tensor:
-        """Take `n` free slots (refcount 0 -> 1) and return their ids, int64 [n]."""
-        free_before = torch.cumsum((self.refcount == 0).to(torch.int64), 0)
-        slots = torch.searchsorted(free_before, torch.arange(1, n + 1, device=self.device))
-        torch._assert_async((slots < self.num_slots).all(), "KV pool out of slots: raise engine.kv_capacity_tokens")
-        slots = slots.clamp_max(self.num_slots - 1)
-        self.refcount[slots] = 1
+    def num_free(self) -> int:
+        """Host-side count of free slots (reads the device: for admission control and tests, not the hot path)."""
+        return int((self.refcount[: self.num_slots] == 0).sum())
+
+    def alloc(self, counts: torch.Tensor, width: int) -> torch.Tensor:
+        """Take counts[i] <= width free slots for each entry i (refcount 0 -> 1); int64 [len(counts), width],
+        entries past counts[i] are the trash slot."""
+        free_rank = torch.cumsum((self.refcount[: self.num_slots] == 0).to(torch.int64), 0)
+        offsets = torch.cumsum(counts, 0) - counts
+        cols = torch.arange(width, device=self.device)
+        wanted = offsets[:, None] + cols[None, :] + 1
+        valid = cols[None, :] < counts[:, None]
+        slots = torch.searchsorted(free_rank, wanted)
+        torch._assert_async(
+            (slots < self.num_slots).logical_or(~valid).all(), "KV pool out of slots: raise engine.kv_capacity_tokens"
+        )
+        slots = torch.where(valid, slots.clamp_max(self.num_slots - 1), self.trash_slot)
+        self.refcount.index_add_(0, slots.reshape(-1), valid.reshape(-1).to(torch.int32))
         return slots
 
+    def add_refs(self, slots: torch.Tensor, weights: torch.Tensor) -> None:
+        """refcount[slots[i]] += weights[i] (weights 0 leave a slot alone; duplicates add up)."""
+        self.refcount.index_add_(0, slots.reshape(-1), weights.reshape(-1).to(torch.int32))
+        torch._assert_async(
+            (self.refcount[: self.num_slots] >= 0).all(), "KV slot released more often than it was referenced"
+        )
+
     def inc_ref(self, slots: torch.Tensor) -> None:
-        """One more owner for each entry of `slots` (duplicates count once per occurrence)."""
-        self.refcount.index_add_(0, slots.reshape(-1), torch.ones_like(slots.reshape(-1), dtype=torch.int32))
+        """One more owner for each entry of `slots`."""
+        self.add_refs(slots, torch.ones_like(slots))
 
     def dec_ref_and_free(self, slots: torch.Tensor) -> None:
         """One owner fewer per entry; a slot whose last owner lets go becomes free."""
-        flat = slots.reshape(-1)
-        self.refcount.index_add_(0, flat, torch.full_like(flat, -1, dtype=torch.int32))
-        torch._assert_async((self.refcount >= 0).all(), "KV slot released more often than it was referenced")
+        self.add_refs(slots, torch.full_like(slots, -1))
 
     def free(self, slots: torch.Tensor) -> None:
         """Free slots the caller owns alone (refcount exactly 1)."""
@@ -62,10 +81,12 @@ class SlotAllocator:
 
 
 class BlockTables:
-    """Per-row position -> slot tables over one `SlotAllocator`.
+    """Per-row column -> slot tables over one `SlotAllocator`.
 
     `table[row, :length[row]]` are the row's slots; entries past `length` are stale and never read
-    for attention (causality masks them), so rollback only lowers `length`.
+    (attention stops at each row's length), so a rollback only lowers `length` after releasing.
+    Row `max_rows` is a scratch row that is always empty (the padding rows of a graph bucket point
+    at it) and column `max_row_tokens` a trash column for masked-out writes.
     """
 
     def __init__(self, allocator: SlotAllocator, max_rows: int, max_row_tokens: int) -> None:
@@ -73,56 +94,65 @@ class BlockTables:
         self.max_rows = max_rows
         self.max_row_tokens = max_row_tokens
         device = allocator.device
-        self.table = torch.zeros(max_rows, max_row_tokens, dtype=torch.int64, device=device)
-        self.length = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self._positions = torch.arange(max_row_tokens, device=device)
+        self.table = torch.full(
+            (max_rows + 1, max_row_tokens + 1), allocator.trash_slot, dtype=torch.int64, device=device
+        )
+        self.length = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        self._cols = torch.arange(max_row_tokens, device=device)
 
-    def _owned(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' table prefix [R, W] up to their longest length, and the mask of owned entries.
+    @property
+    def scratch_row(self) -> int:
+        return self.max_rows
 
-        Reads W on the host: release and fork run once per request or resampling, not per token,
-        and scanning only W columns instead of the whole table is what keeps them cheap.
-        """
-        length = self.length[rows]
-        width = int(length.max()) if rows.numel() else 0
-        return self.table[rows, :width], self._positions[None, :width] < length[:, None]
+    def _owned(self, rows: torch.Tensor, max_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' tables [R, W] and the 0/1 weight of each entry (1 where the row owns it); W is the
+        caller's host-known bound on the rows' lengths (the whole table without one)."""
+        width = self.max_row_tokens if max_len is None else max(1, min(max_len, self.max_row_tokens))
+        owned = self._cols[None, :width] < self.length[rows][:, None]
+        torch._assert_async((self.length[rows] <= width).all(), "release/copy bound below a row's length")
+        return self.table[rows, :width], owned
 
-    def append(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        """Allocate `n` new slots at the end of each row; returns them as [R, n]."""
+    def append(self, rows: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+        """Allocate counts[i] <= width new slots at the end of row rows[i]; returns them [R, width]
+        (trash past counts[i])."""
         start = self.length[rows]
         torch._assert_async(
-            (start + n <= self.max_row_tokens).all(), "row longer than its block table (engine.kv_capacity_tokens)"
+            (start + counts <= self.max_row_tokens).all(), "row longer than its block table (engine.kv_capacity_tokens)"
         )
-        slots = self.allocator.alloc(rows.numel() * n).view(rows.numel(), n)
-        cols = (start[:, None] + torch.arange(n, device=rows.device)).clamp_max(self.max_row_tokens - 1)
+        slots = self.allocator.alloc(counts, width)
+        cols = start[:, None] + torch.arange(width, device=rows.device)
+        cols = torch.where(cols < (start + counts)[:, None], cols, self.max_row_tokens)
         self.table[rows[:, None], cols] = slots
-        self.length[rows] = start + n
+        self.length[rows] = start + counts
         return slots
 
     def rollback(self, rows: torch.Tensor, counts: torch.Tensor, max_count: int) -> None:
-        """Drop the last `counts[i]` tokens of `rows[i]` (0 <= counts <= max_count, a static bound)."""
+        """Drop the last `counts[i]` tokens of `rows[i]` (0 <= counts <= max_count, a host-known bound)."""
         end = self.length[rows]
         torch._assert_async(((counts >= 0) & (counts <= end) & (counts <= max_count)).all(), "bad rollback count")
         back = torch.arange(1, max_count + 1, device=rows.device)
-        cols = end[:, None] - back[None, :]  # [R, max_count], last position first
+        cols = (end[:, None] - back[None, :]).clamp_min(0)  # [R, max_count], last column first
         dropped = back[None, :] <= counts[:, None]
-        slots = self.table[rows[:, None], cols.clamp_min(0)]
-        self.allocator.dec_ref_and_free(slots[dropped])
+        self.allocator.add_refs(self.table[rows[:, None], cols], -dropped.to(torch.int32))
         self.length[rows] = end - counts
 
-    def release(self, rows: torch.Tensor) -> None:
-        """Give up every slot of `rows`; they become empty rows."""
-        table, owned = self._owned(rows)
-        self.allocator.dec_ref_and_free(table[owned])
-        self.length[rows] = 0
+    def truncate(self, rows: torch.Tensor, new_length: torch.Tensor, max_drop: int) -> None:
+        """Cut each row back to at most new_length[i] tokens (rows already shorter keep theirs)."""
+        self.rollback(rows, (self.length[rows] - new_length).clamp_min(0), max_drop)
 
-    def copy_block_table(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        """dst[i] becomes a copy of src[i], sharing its slots. Safe when src and dst overlap
-        (a resampling permutation): the sources are read and referenced before dst lets go."""
-        table, owned = self._owned(src_rows)
+    def release(self, rows: torch.Tensor, max_len: int | None = None) -> None:
+        """Give up every slot of `rows` (each at most `max_len` long, when given); they become empty rows."""
+        table, owned = self._owned(rows, max_len)
+        self.allocator.add_refs(table, -owned.to(torch.int32))
+        self.length.index_fill_(0, rows, 0)  # (indexed assignment of a Python scalar would sync)
+
+    def copy_block_table(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, max_len: int | None = None) -> None:
+        """dst[i] becomes a copy of src[i], sharing its slots (rows at most `max_len` long, when given). Safe
+        when src and dst overlap (a resampling permutation): the sources are read and referenced first."""
+        table, owned = self._owned(src_rows, max_len)
         length = self.length[src_rows]
-        self.allocator.inc_ref(table[owned])
-        self.release(dst_rows)
+        self.allocator.add_refs(table, owned.to(torch.int32))
+        self.release(dst_rows, max_len)
         self.table[dst_rows, : table.shape[1]] = table
         self.length[dst_rows] = length
 
@@ -133,14 +163,15 @@ def check_invariants(allocator: SlotAllocator, tables: list[BlockTables]) -> Non
     That one equality rules out leaks (refcount > 0 with no owner), frees while referenced
     (owner with refcount 0) and double frees. Raises AssertionError naming the first bad slot.
     """
-    owners = torch.zeros(allocator.num_slots, dtype=torch.int64, device=allocator.device)
+    owners = torch.zeros(allocator.num_slots + 1, dtype=torch.int64, device=allocator.device)
     for bt in tables:
-        table, owned = bt._owned(torch.arange(bt.max_rows, device=bt.table.device))
-        owners += torch.bincount(table[owned], minlength=allocator.num_slots)
-    bad = torch.nonzero(owners != allocator.refcount.to(torch.int64)).flatten()
+        table, owned = bt._owned(torch.arange(bt.max_rows + 1, device=bt.table.device), None)
+        owners.index_add_(0, table.reshape(-1), owned.reshape(-1).to(torch.int64))
+    owners, refcount = owners[: allocator.num_slots], allocator.refcount[: allocator.num_slots].to(torch.int64)
+    bad = torch.nonzero(owners != refcount).flatten()
     if bad.numel():
         s = int(bad[0])
         raise AssertionError(
-            f"KV slot {s}: refcount {int(allocator.refcount[s])} but {int(owners[s])} block-table entries "
+            f"KV slot {s}: refcount {int(refcount[s])} but {int(owners[s])} block-table entries "
             f"({bad.numel()} inconsistent slots)"
         )

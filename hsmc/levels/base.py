@@ -1,41 +1,47 @@
 """The Level interface and the row state every model-backed level shares.
 
 A level is a sampler with known log-probabilities. Between levels all positions are absolute
-(the prompt occupies the same positions everywhere), so the conversation is three calls:
+(the prompt occupies the same positions everywhere), so the conversation is a few calls:
 
 - `propose(rows, k)`: k more tokens after what the caller has acknowledged, with log q.
 - `commit(rows, n)`: the caller keeps the first n proposed tokens and adds nothing.
 - `accept(rows, keep_len, next_token)`: the caller keeps the row's first `keep_len` tokens and
   appends `next_token` (a correction or bonus this level may not have proposed). The level drops
   everything past `keep_len`, rolls its KV back, and tells the level below the same.
+- `step(rows)` (a streaming top only): one round of work for every row, handing over all the tokens
+  it produced (1 for a model level, 1..γ+1 for a rejection level).
 
 `SequenceState` implements the bookkeeping for one model: `seq[row, :seq_len]` is the level's
 view (acknowledged tokens plus its own unacknowledged ones) and the block-table length is how
 many of them are in its KV. A forward always processes `seq[kv_len:seq_len]`, so a token
 appended from above (the "deferred bonus") is simply processed with the next step.
+
+Nothing here reads the device: a forward's width and context come from host-side *bounds*
+(`pending_bound` >= every row's unprocessed tokens, `len_bound` >= every row's length), kept
+exact enough by the static shape of each operation, and tightened by the driver from its one
+read per step. Rows that bring fewer tokens than the width are padded (trash writes).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+from hsmc.engine.host_io import upload
 from hsmc.engine.runner import ModelRunner
-from hsmc.models.decoder import DecoderLM
+from hsmc.engine.timer import ForwardTimer
 
 
 @dataclass
 class StepOutput:
     """A forward over each row's pending tokens; row i's outputs are the first count[i] entries."""
 
-    logits: torch.Tensor  # [R, W, V]
+    logits: torch.Tensor  # [R, W, V] (or [R, 1, V] for a last-only forward)
     count: torch.Tensor  # [R] tokens processed per row
     start: torch.Tensor  # [R] position of the first processed token
-    features: torch.Tensor | None  # [R, W, n·H]: residual streams at the requested layers, concatenated
+    features: torch.Tensor | None  # [R, W, n·H]: residual streams at the runner's capture layers, concatenated
 
     def last(self, n: int) -> torch.Tensor:
         """The last n valid logits of each row: [R, n, V]."""
@@ -50,11 +56,20 @@ class Proposal:
     logprobs: torch.Tensor | None  # float [R, k, V]: that full distribution; None = deterministic (one-hot)
 
 
+@dataclass
+class Emission:
+    """What a streaming top produced in one step: tokens[i, :count[i]] for row i."""
+
+    tokens: torch.Tensor  # int64 [R, W]
+    count: torch.Tensor  # int64 [R]
+
+
 class Level(Protocol):
     """What a level above (or the decoding driver) may call."""
 
     state: SequenceState
     feature_layers: tuple[int, ...]  # residual streams this level wants from the verifier above (EAGLE3)
+    step_growth: int  # most tokens a row's sequence grows by in one `step` (a streaming top)
 
     def prefill(self, rows: torch.Tensor, features: StepOutput | None = None) -> None:
         """Process the prompt; `features` as in `accept` (the verifier's prompt forward)."""
@@ -69,76 +84,127 @@ class Level(Protocol):
         positions below keep_len are committed, so a feature-reading drafter may consume those."""
         ...
 
+    def step(self, rows: torch.Tensor) -> Emission: ...
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None: ...
     def release(self, rows: torch.Tensor) -> None: ...
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None: ...
+    def set_len_bound(self, bound: int) -> None:
+        """Every row of this level (and those below) is at most `bound` tokens long now."""
+        ...
+
     def reset_stats(self) -> None: ...
     def stats(self) -> dict[str, float]: ...
 
 
-class SequenceState:
-    """One model's rows: token sequences, KV through block tables, and the forward over pending tokens."""
+def padded_prompts(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one padded int64 [P, longest] tensor and their lengths, uploaded without a stall."""
+    longest = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), longest, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    return upload(tokens, device), upload(lengths, device)
 
-    def __init__(self, model: DecoderLM, max_rows: int, capacity: int, device: torch.device) -> None:
-        self.tables = BlockTables(SlotAllocator(capacity, device), max_rows, capacity)
-        self.runner = ModelRunner(model, self.tables)
-        self.model = model
-        self.seq = torch.zeros(max_rows, capacity, dtype=torch.int64, device=device)
-        self.seq_len = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.forward_seconds = 0.0
+
+class TokenRows:
+    """Per-row token sequences on the device with a host-side length bound (an EAGLE3 level's view)."""
+
+    def __init__(self, max_rows: int, capacity: int, device: torch.device) -> None:
+        self.seq = torch.zeros(max_rows + 1, capacity + 1, dtype=torch.int64, device=device)
+        self.seq_len = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        self.capacity = capacity
+        self.len_bound = 0
+
+    def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
+        tokens, lengths = padded_prompts(prompts, rows.device)
+        self.seq[rows, : tokens.shape[1]] = tokens
+        self.seq_len[rows] = lengths
+        self.len_bound = max(self.len_bound, tokens.shape[1])
+
+    def append(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append tokens [R, m] to the rows' sequences."""
+        cols = (self.seq_len[rows][:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp_max(
+            self.capacity
+        )
+        self.seq[rows[:, None], cols] = tokens
+        self.seq_len[rows] += tokens.shape[1]
+        self.len_bound += tokens.shape[1]
+
+    def set_token(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None:
+        """Keep seq[:keep_len] and append next_token (keep_len never exceeds the current length)."""
+        self.seq[rows, keep_len.clamp_max(self.capacity)] = next_token
+        self.seq_len[rows] = keep_len + 1
+        self.len_bound += 1
+
+    def window(self, rows: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
+        """seq[row, start + j] for j < count (0 past it): [R, width]."""
+        offsets = torch.arange(width, device=rows.device)
+        cols = (start[:, None] + offsets).clamp(0, self.capacity)
+        return torch.where(offsets[None, :] < count[:, None], self.seq[rows[:, None], cols], 0)
+
+    def bound_lengths(self, bound: int) -> None:
+        """Every row is known to be at most `bound` tokens long (the driver read it, or a wave just started)."""
+        self.len_bound = min(self.len_bound, bound)
+
+    def copy_rows(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        seq, seq_len = self.seq[src_rows], self.seq_len[src_rows]  # advanced indexing copies: overlap-safe
+        self.seq[dst_rows], self.seq_len[dst_rows] = seq, seq_len
+
+
+class SequenceState(TokenRows):
+    """One model's rows: token sequences, KV through the runner's block tables, and the forward over
+    pending tokens, timed per level."""
+
+    def __init__(self, runner: ModelRunner, max_rows: int, capacity: int) -> None:
+        super().__init__(max_rows, capacity, runner.device)
+        self.runner = runner
+        self.timer = ForwardTimer(runner.device)
+        self.pending_bound = 0
 
     @property
     def kv_len(self) -> torch.Tensor:
-        return self.tables.length
+        return self.runner.tables.length
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
-        for row, prompt in zip(rows.tolist(), prompts):
-            self.seq[row, : len(prompt)] = torch.tensor(prompt, device=self.seq.device)
-            self.seq_len[row] = len(prompt)
+        super().load_prompts(rows, prompts)
+        self.pending_bound = max(self.pending_bound, self.len_bound)
+
+    def bound_lengths(self, bound: int) -> None:
+        super().bound_lengths(bound)
+        self.pending_bound = min(self.pending_bound, bound)
 
     def append(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Append tokens [R, m] to the rows' sequences (not yet in KV)."""
-        cols = self.seq_len[rows][:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        self.seq[rows[:, None], cols] = tokens
-        self.seq_len[rows] += tokens.shape[1]
+        super().append(rows, tokens)
+        self.pending_bound += tokens.shape[1]
 
-    def truncate(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None:
-        """Keep seq[:keep_len], append next_token; KV past keep_len is rolled back."""
-        self.seq[rows, keep_len] = next_token
-        self.seq_len[rows] = keep_len + 1
-        kv = self.kv_len[rows]
-        drop = (kv - keep_len).clamp_min(0)
-        if bool((drop > 0).any()):
-            self.tables.rollback(rows, drop, int(drop.max()))
+    def truncate(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, max_drop: int) -> None:
+        """Keep seq[:keep_len], append next_token; KV past keep_len (at most `max_drop` tokens) is rolled back."""
+        self.set_token(rows, keep_len, next_token)
+        self.runner.tables.truncate(rows, keep_len, max_drop)
+        self.pending_bound = max(1, self.pending_bound + 1)
 
-    def forward(self, rows: torch.Tensor, end: torch.Tensor | None = None, capture: tuple[int, ...] = ()) -> StepOutput:
-        """Process each row's pending tokens seq[kv_len:end] (end defaults to seq_len), capturing the
-        residual stream at `capture` (transformers' hidden_states numbering) when asked."""
-        start_time = time.perf_counter()
-        end = self.seq_len[rows] if end is None else end
-        start = self.kv_len[rows].clone()
-        count = end - start
-        width = int(count.max())
-        if width == 0:  # e.g. prefilling one-token prompts: everything stays pending
-            empty = torch.empty(len(rows), 0, self.model.config.vocab_size, device=rows.device)
+    def forward(self, rows: torch.Tensor, leave_last: bool = False, last_only: bool = False) -> StepOutput:
+        """Process each row's pending tokens (all but the last with `leave_last`); logits at every processed
+        position, or only at each row's last with `last_only`."""
+        leave = 1 if leave_last else 0
+        end = self.seq_len[rows] - leave
+        start = self.kv_len[rows]
+        count = (end - start).clamp_min(0)
+        width = self.pending_bound - leave
+        self.pending_bound = leave
+        if width <= 0:  # e.g. prefilling one-token prompts: everything stays pending
+            empty = torch.empty(len(rows), 0, 0, device=rows.device)
             return StepOutput(empty, count, start, None)
-        offsets = torch.arange(width, device=rows.device)
-        cols = (start[:, None] + offsets).clamp_max(self.seq.shape[1] - 1)
-        tokens = torch.where(offsets[None, :] < count[:, None], self.seq[rows[:, None], cols], 0)
-        self.tables.append(rows, width)
-        self.tables.rollback(rows, width - count, width)
-        out = self.runner.forward(rows, tokens, count, start, int(end.max()), capture)
-        features = out.captured.flatten(2) if out.captured is not None else None
-        step = StepOutput(self.model.logits(out.hidden), count, start, features)
-        self.forward_seconds += time.perf_counter() - start_time
-        return step
+        tokens = self.window(rows, start, count, width)
+        with self.timer():
+            batch = self.runner.new_tokens(rows, tokens, count, self.len_bound)
+            logits, features = self.runner.forward(batch, last_only)
+        return StepOutput(logits, count, start, features)
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        seq_len = self.seq_len[src_rows].clone()
-        seq = self.seq[src_rows, : int(seq_len.max())]  # advanced indexing copies: safe for overlapping rows
-        self.tables.copy_block_table(src_rows, dst_rows)
-        self.seq[dst_rows, : seq.shape[1]], self.seq_len[dst_rows] = seq, seq_len
+        self.copy_rows(src_rows, dst_rows)
+        self.runner.tables.copy_block_table(src_rows, dst_rows, self.len_bound)
 
     def release(self, rows: torch.Tensor) -> None:
-        self.tables.release(rows)
-        self.seq_len[rows] = 0
+        self.runner.tables.release(rows, self.len_bound)
+        self.seq_len.index_fill_(0, rows, 0)

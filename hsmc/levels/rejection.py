@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from hsmc.engine.host_io import read_counters
 from hsmc.engine.sampler import gumbel_noise
-from hsmc.levels.base import Level, Proposal, SequenceState, StepOutput
+from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput
 
 
 class RejectionLevel:
@@ -33,13 +34,16 @@ class RejectionLevel:
         self.state = state
         self.drafter = drafter
         self.gamma = num_draft_tokens
+        self.step_growth = num_draft_tokens + 1
         self.temperature = temperature
         self.generator = generator
-        max_rows, capacity = state.seq.shape
-        self.seq_logq = torch.zeros(max_rows, capacity, dtype=torch.float32, device=state.seq.device)
-        self.acknowledged = torch.zeros(max_rows, dtype=torch.int64, device=state.seq.device)
-        self.cycles = 0
-        self.emitted = 0
+        max_rows, width = state.seq.shape
+        device = state.seq.device
+        self.seq_logq = torch.zeros(max_rows, width, dtype=torch.float32, device=device)
+        self.acknowledged = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.ahead = 0  # most tokens a row holds past what the caller acknowledged (bounds accept's rollback)
+        self.cycles = torch.zeros((), dtype=torch.int64, device=device)  # device counters, read by stats()
+        self.emitted = torch.zeros((), dtype=torch.int64, device=device)
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         self.state.load_prompts(rows, prompts)
@@ -47,9 +51,8 @@ class RejectionLevel:
         self.acknowledged[rows] = self.state.seq_len[rows]
 
     def prefill(self, rows: torch.Tensor, features: StepOutput | None = None) -> None:
-        capture = self.drafter.feature_layers
-        step = self.state.forward(rows, self.state.seq_len[rows] - 1, capture)
-        self.drafter.prefill(rows, step if capture else None)
+        step = self.state.forward(rows, leave_last=True)
+        self.drafter.prefill(rows, step if self.drafter.feature_layers else None)
 
     def propose(self, rows: torch.Tensor, k: int) -> Proposal:
         """Run cycles until every row has k unacknowledged tokens; return the first k of them."""
@@ -58,6 +61,7 @@ class RejectionLevel:
             if not bool(short.any()):
                 break
             self._cycle(rows[short])
+        self.ahead = k + self.gamma + 1
         cols = self.acknowledged[rows][:, None] + torch.arange(k, device=rows.device)
         return Proposal(
             tokens=self.state.seq[rows[:, None], cols],
@@ -65,41 +69,54 @@ class RejectionLevel:
             logprobs=None,  # not kept: validation keeps a rejection level from drafting for another
         )
 
+    def step(self, rows: torch.Tensor) -> Emission:
+        """One draft/verify cycle for every row; all of its 1..γ+1 tokens are handed over."""
+        base = self.state.seq_len[rows]
+        accepted = self._cycle(rows)
+        tokens = self.state.window(rows, base, accepted + 1, self.gamma + 1)
+        self.acknowledged[rows] = self.state.seq_len[rows]
+        return Emission(tokens, accepted + 1)
+
     def commit(self, rows: torch.Tensor, n: int) -> None:
         self.acknowledged[rows] += n
 
     def accept(
         self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
     ) -> None:
-        self.state.truncate(rows, keep_len, next_token)
+        self.state.truncate(rows, keep_len, next_token, max_drop=self.ahead)
         self.drafter.accept(rows, keep_len, next_token)
         self.acknowledged[rows] = keep_len + 1
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        width = int(self.state.seq_len[src_rows].max())
-        logq, ack = self.seq_logq[src_rows, :width], self.acknowledged[src_rows].clone()
+        logq, ack = self.seq_logq[src_rows], self.acknowledged[src_rows]
         self.state.fork(src_rows, dst_rows)
         self.drafter.fork(src_rows, dst_rows)
-        self.seq_logq[dst_rows, :width], self.acknowledged[dst_rows] = logq, ack
+        self.seq_logq[dst_rows], self.acknowledged[dst_rows] = logq, ack
 
     def release(self, rows: torch.Tensor) -> None:
         self.state.release(rows)
         self.drafter.release(rows)
 
+    def set_len_bound(self, bound: int) -> None:
+        self.state.bound_lengths(bound)
+        self.drafter.set_len_bound(bound)
+
     def reset_stats(self) -> None:
-        self.state.forward_seconds = 0.0
-        self.cycles = self.emitted = 0
+        self.state.timer.reset()
+        self.cycles.zero_()
+        self.emitted.zero_()
 
     def stats(self) -> dict[str, float]:
-        cycles = max(self.cycles, 1)
-        return {"mean_accepted_length": self.emitted / cycles, "forward_seconds": self.state.forward_seconds}
+        cycles, emitted = read_counters(self.cycles, self.emitted)
+        return {"mean_accepted_length": emitted / max(cycles, 1), "forward_seconds": self.state.timer.seconds()}
 
-    def _cycle(self, rows: torch.Tensor) -> None:
+    def _cycle(self, rows: torch.Tensor) -> torch.Tensor:
+        """One draft + verify for `rows`; returns the number of drafts each row kept."""
         gamma = self.gamma
         draft = self.drafter.propose(rows, gamma)
-        base = self.state.seq_len[rows].clone()
+        base = self.state.seq_len[rows]
         self.state.append(rows, draft.tokens)
-        step = self.state.forward(rows, capture=self.drafter.feature_layers)
+        step = self.state.forward(rows)
         p_logits = step.last(gamma + 1).float()  # p_1..p_{γ+1}
         accepted, token = self._verify(draft, p_logits)
         if self.temperature == 0:
@@ -109,13 +126,14 @@ class RejectionLevel:
             chosen = torch.cat([draft.tokens, draft.tokens[:, :1]], 1)
             chosen.scatter_(1, accepted[:, None], token[:, None])
             emitted_logq = logp.gather(-1, chosen[..., None]).squeeze(-1)
-        cols = base[:, None] + torch.arange(gamma + 1, device=rows.device)
+        cols = (base[:, None] + torch.arange(gamma + 1, device=rows.device)).clamp_max(self.seq_logq.shape[1] - 1)
         self.seq_logq[rows[:, None], cols] = emitted_logq
         keep_len = base + accepted
-        self.state.truncate(rows, keep_len, token)
+        self.state.truncate(rows, keep_len, token, max_drop=gamma + 1)
         self.drafter.accept(rows, keep_len, token, step if self.drafter.feature_layers else None)
         self.cycles += len(rows)
-        self.emitted += int(accepted.sum()) + len(rows)
+        self.emitted += accepted.sum() + len(rows)
+        return accepted
 
     def _verify(self, draft: Proposal, p_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Number of kept drafts per row [R] and the token that follows them [R]."""

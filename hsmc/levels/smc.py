@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hsmc.engine.host_io import read_counters, upload
 from hsmc.engine.sampler import gumbel_noise, sample
 from hsmc.levels.base import Level, SequenceState
 from hsmc.smc.resampling import multinomial_ancestors, select_particle, systematic_ancestors
@@ -42,31 +43,41 @@ class GroupResult:
 
 
 class SMCLevel:
+    step_growth = 0  # not a streaming top: `run` drives its own cycles
+
     def __init__(self, state: SequenceState, proposal: Level, params: SMCParams, generator: torch.Generator) -> None:
         self.state = state
         self.proposal = proposal
         self.params = params
         self.generator = generator
         self.cycles = 0
-        self.ess_sum = 0.0
         self.resamples = 0
+        self.ess_sum = torch.zeros((), dtype=torch.float64, device=state.seq.device)
 
     def reset_stats(self) -> None:
-        self.state.forward_seconds = 0.0
+        self.state.timer.reset()
         self.cycles = self.resamples = 0
-        self.ess_sum = 0.0
+        self.ess_sum.zero_()
 
     def stats(self) -> dict[str, float]:
         group_cycles = max(self.cycles, 1)
         return {
-            "mean_ess_fraction": self.ess_sum / group_cycles,
+            "mean_ess_fraction": read_counters(self.ess_sum)[0] / group_cycles,
             "resample_rate": self.resamples / group_cycles,
-            "forward_seconds": self.state.forward_seconds,
+            "forward_seconds": self.state.timer.seconds(),
         }
 
-    def _levels_release(self, rows: torch.Tensor) -> None:
-        self.state.release(rows)
-        self.proposal.release(rows)
+    def set_len_bound(self, bound: int) -> None:
+        self.state.bound_lengths(bound)
+        self.proposal.set_len_bound(bound)
+
+    def _levels_release(self, rows: list[int]) -> None:
+        index = self._index(rows)
+        self.state.release(index)
+        self.proposal.release(index)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return upload(torch.tensor(rows, dtype=torch.int64), self.state.seq.device)
 
     def run(
         self,
@@ -80,20 +91,22 @@ class SMCLevel:
         n, k = p.particles, p.block_size
         device = self.state.seq.device
         groups = len(prompts)
-        rows = torch.arange(groups * n, device=device).view(groups, n)
-        first = rows[:, 0]
+        row_of = [[g * n + i for i in range(n)] for g in range(groups)]  # host-side row ids
+        first = self._index([r[0] for r in row_of])
         self.state.load_prompts(first, prompts)
         self.proposal.load_prompts(first, prompts)
+        self.set_len_bound(max(len(q) for q in prompts))
         # prefill: the target sees the whole prompt and draws x0; the proposal keeps its last token pending
-        x0, _ = sample(p.alpha * self.state.forward(first).last(1)[:, 0], p.temperature, self.generator)
-        prompt_len = self.state.seq_len[first].clone()
+        x0, _ = sample(p.alpha * self.state.forward(first, last_only=True).logits[:, 0], p.temperature, self.generator)
+        prompt_len = self.state.seq_len[first]
         self.state.append(first, x0[:, None])
         self.proposal.prefill(first)
         self.proposal.accept(first, prompt_len, x0)
-        others = rows[:, 1:].reshape(-1)
-        if others.numel():
-            self.state.fork(first.repeat_interleave(n - 1), others)
-            self.proposal.fork(first.repeat_interleave(n - 1), others)
+        if n > 1:
+            src = self._index([r[0] for r in row_of for _ in range(n - 1)])
+            dst = self._index([x for r in row_of for x in r[1:]])
+            self.state.fork(src, dst)
+            self.proposal.fork(src, dst)
 
         tokens = [[[t] for _ in range(n)] for t in x0.tolist()]  # [group][particle] generated ids
         stopped = [stop.first_stop([t], 0) is not None for t in x0.tolist()]
@@ -102,7 +115,7 @@ class SMCLevel:
         logw = torch.zeros(groups, n, dtype=torch.float64, device=device)
         eos = torch.tensor(sorted(stop.token_ids), dtype=torch.int64, device=device)
         done_groups: set[int] = set()
-        self._release_finished(rows, finished)
+        self._release_finished(row_of, finished, range(groups))
         try:
             while True:
                 for g in range(groups):
@@ -113,10 +126,10 @@ class SMCLevel:
                 active = [(g, i) for g in range(groups) for i in range(n) if not finished[g][i]]
                 if not active:
                     break
-                act_rows = torch.tensor([int(rows[g, i]) for g, i in active], device=device)
-                delta, new_tokens = self._cycle(act_rows, k, eos)
-                for (g, i), d, toks in zip(active, delta.tolist(), new_tokens):
-                    logw[g, i] += d
+                act = self._index([row_of[g][i] for g, i in active])
+                delta, new_tokens = self._cycle(act, k, eos)
+                logw.view(-1)[act] += delta  # row g*N+i is logw[g, i]
+                for (g, i), toks in zip(active, new_tokens):
                     before = len(tokens[g][i])
                     tokens[g][i] += toks[: max_new_tokens - before]
                     cut = stop.first_stop(tokens[g][i], before)
@@ -126,18 +139,20 @@ class SMCLevel:
                     elif len(tokens[g][i]) == max_new_tokens:
                         finished[g][i], reason[g][i] = True, "length"
                 live = sorted({g for g, _ in active})
-                self._release_finished(rows[live], [finished[g] for g in live])
-                self._maybe_resample(live, rows, logw, tokens, finished, reason)
+                self._release_finished(row_of, finished, live)
+                self._maybe_resample(live, row_of, logw, tokens, finished, reason)
             gumbel = gumbel_noise(logw.shape, self.generator, device).double()
             chosen = select_particle(logw, p.selection, gumbel).tolist()
-            return [GroupResult(tokens[g][c], reason[g][c], logw[g].tolist()) for g, c in enumerate(chosen)]
+            weights = logw.tolist()
+            return [GroupResult(tokens[g][c], reason[g][c], weights[g]) for g, c in enumerate(chosen)]
         finally:
-            self._levels_release(rows.reshape(-1))
+            self._levels_release([x for r in row_of for x in r])
 
     def _cycle(self, rows: torch.Tensor, k: int, eos: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
-        """One SMC cycle for active particle rows: weight increments (EOS-masked) and the K+1 new tokens."""
+        """One SMC cycle for active particle rows: weight increments (EOS-masked) and the K+1 new tokens
+        (read to the host in one copy)."""
         p = self.params
-        base = self.state.seq_len[rows].clone()  # seq ends with the seed (last bonus / x0)
+        base = self.state.seq_len[rows]  # seq ends with the seed (last bonus / x0)
         if k:
             prop = self.proposal.propose(rows, k)
             draft, logq = prop.tokens, prop.logq
@@ -150,21 +165,21 @@ class SMCLevel:
         no = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
         delta = weight_increments(target, draft, logq, bonus, no, eos, p.alpha, p.temperature)
         keep_len = base + k
-        self.state.truncate(rows, keep_len, bonus)
+        self.state.truncate(rows, keep_len, bonus, max_drop=k + 1)
         if k:
             self.proposal.accept(rows, keep_len, bonus)
         return delta, torch.cat([draft, bonus[:, None]], 1).tolist()
 
-    def _release_finished(self, rows: torch.Tensor, finished: list[list[bool]]) -> None:
-        """Finished particles keep their tokens and weight but need no KV."""
-        done = rows[torch.tensor(finished, dtype=torch.bool, device=rows.device)]
-        if done.numel():
+    def _release_finished(self, row_of: list[list[int]], finished: list[list[bool]], groups) -> None:
+        """Finished particles keep their tokens and weight but need no KV (releasing twice is harmless)."""
+        done = [row_of[g][i] for g in groups for i, f in enumerate(finished[g]) if f]
+        if done:
             self._levels_release(done)
 
     def _maybe_resample(
         self,
         live: list[int],
-        rows: torch.Tensor,
+        row_of: list[list[int]],
         logw: torch.Tensor,
         tokens: list[list[list[int]]],
         finished: list[list[bool]],
@@ -177,7 +192,7 @@ class SMCLevel:
             return
         ess = effective_sample_size(logw[live])
         self.cycles += len(live)
-        self.ess_sum += float((ess / n).sum())
+        self.ess_sum += (ess / n).sum()
         if n < 2 or p.ess_threshold <= 0:
             return
         low = [g for g, e in zip(live, ess.tolist()) if e < p.ess_threshold * n]
@@ -198,17 +213,16 @@ class SMCLevel:
                     continue
                 if finished[g][a]:
                     if not finished[g][i]:
-                        dead.append(int(rows[g, i]))
+                        dead.append(row_of[g][i])
                 else:
-                    fork_src.append(int(rows[g, a]))
-                    fork_dst.append(int(rows[g, i]))
+                    fork_src.append(row_of[g][a])
+                    fork_dst.append(row_of[g][i])
             for i, (toks, fin, why) in enumerate(snap):
                 tokens[g][i], finished[g][i], reason[g][i] = toks, fin, why
             logw[g] = 0
-        device = logw.device
         if fork_src:
-            src, dst = torch.tensor(fork_src, device=device), torch.tensor(fork_dst, device=device)
+            src, dst = self._index(fork_src), self._index(fork_dst)
             self.state.fork(src, dst)
             self.proposal.fork(src, dst)
         if dead:
-            self._levels_release(torch.tensor(dead, device=device))
+            self._levels_release(dead)

@@ -9,6 +9,8 @@ import torch
 
 from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head
+from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+from hsmc.engine.runner import ModelRunner
 from hsmc.errors import ConfigError
 from hsmc.levels.base import Level, SequenceState
 from hsmc.levels.eagle3 import Eagle3Level
@@ -16,6 +18,7 @@ from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.smc import SMCLevel, SMCParams
 from hsmc.models.loading import LoadedModel, load_model
+from hsmc.ops.backend import Backend, TorchBackend
 
 
 @dataclass
@@ -42,37 +45,62 @@ class Stack:
     def lookahead(self) -> int:
         """Tokens a row may hold past its output before they are rejected or returned."""
         rejection = sum(c.num_draft_tokens + 1 for c in self.configs if c.kind == "rejection")
-        return rejection + sum(c.block_size + 1 for c in self.configs if c.kind == "smc")
+        overlap = 0 if self.is_smc else self.top.step_growth  # a streaming top runs one step past a row's end
+        return rejection + overlap + sum(c.block_size + 1 for c in self.configs if c.kind == "smc")
 
 
-def build_stack(cfg: HsmcConfig) -> Stack:
+def make_backend(name: str) -> Backend:
+    """The kernel backend `engine.attention` names (Triton is imported only when asked for)."""
+    if name == "triton":
+        from hsmc.ops.triton_backend import TritonBackend
+
+        return TritonBackend()
+    return TorchBackend()
+
+
+def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -> Stack:
     device = torch.device(cfg.engine.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"engine.device={cfg.engine.device!r} but no CUDA device is available")
     generator = torch.Generator(device).manual_seed(cfg.generation.seed)
+    backend = make_backend(cfg.engine.resolved_attention)
+    graphs = cfg.engine.resolved_cuda_graphs
     loaded: dict[tuple[str, str, int | None], LoadedModel] = {}
 
     def model_of(lc: LevelConfig) -> LoadedModel:
+        if models and lc.model in models:
+            return models[lc.model]
         key = (lc.model, lc.dtype, lc.num_layers)
         if key not in loaded:
             loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers)
         return loaded[key]
+
+    def tables() -> BlockTables:
+        return BlockTables(SlotAllocator(capacity, device), rows, capacity)
 
     levels: list[Any] = []
     vocabularies: list[tuple[int, Any | None]] = []  # (vocab size, tokenizer) per level
     rows, capacity = cfg.engine.max_batch_rows, cfg.engine.kv_capacity_tokens
     for i, lc in enumerate(cfg.levels):
         if lc.kind == "eagle3":
-            verifier = model_of(cfg.levels[i + 1]).model
+            above = cfg.levels[i + 1]
+            verifier = model_of(above).model
             head, head_config = load_eagle3_head(lc.model, lc.dtype, device)
             layers = capture_layers(head_config, verifier.config.num_layers)
-            levels.append(Eagle3Level(head, verifier, layers, rows, capacity, lc.temperature, generator))
+            runner = ModelRunner(head, tables(), backend, num_layers=1, cuda_graphs=graphs)
+            embed = verifier.model.embed_tokens
+            pairs = above.num_draft_tokens + 1
+            levels.append(Eagle3Level(runner, embed, layers, rows, capacity, pairs, lc.temperature, generator))
             vocabularies.append((head.config.vocab_size, None))
             continue
         model = model_of(lc)
         vocabularies.append((model.model.config.vocab_size, model.tokenizer))
-        state = SequenceState(model.model, rows, capacity, device)
         below: Level | None = levels[-1] if levels else None
+        capture = below.feature_layers if below is not None else ()
+        runner = ModelRunner(
+            model.model, tables(), backend, model.model.config.num_layers, cuda_graphs=graphs, capture=capture
+        )
+        state = SequenceState(runner, rows, capacity)
         if lc.kind == "model":
             levels.append(ModelLevel(state, lc.temperature, generator))
         elif lc.kind == "rejection":

@@ -1,20 +1,23 @@
 """The decoder LM: Llama, Qwen2 and Qwen3 in one set of plain modules (gpt-fast style).
 
-Parameter names follow transformers' (`model.layers.0.self_attn.q_proj.weight`, ...) so a
-safetensors state dict loads as is. Numerics follow transformers too (RMSNorm in fp32, RoPE
-frequencies in fp32 cast to the activation dtype), so fp32 logits agree to ~1e-5.
+Weights are fused where one matmul can replace several: q/k/v into `qkv_proj`, gate/up into
+`gate_up_proj`, joined by a load hook and split again by a state-dict hook, so checkpoints keep
+transformers' parameter names (`model.layers.0.self_attn.q_proj.weight`, ...) both ways. The residual
+stream is carried next to each layer's output and added inside the next norm (one fused kernel on
+the GPU). Numerics follow transformers (RMSNorm in fp32, RoPE angles in fp32 cast to the activation
+dtype), so fp32 logits agree to ~1e-5.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hsmc.models.config import DecoderConfig
-from hsmc.ops.attention import AttentionBackend
+from hsmc.ops.backend import Backend, HeadLayout, Rope
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.kv_cache import KVCache
 
@@ -25,10 +28,75 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+
+class FusedLinear(nn.Linear):
+    """One Linear standing for several that read the same input; checkpoints name the parts.
+
+    `parts` are (name, out_features) in order: loading concatenates `<prefix><name>.weight` (and
+    `.bias`) into this module's tensors; `state_dict()` hands them back out under the part names.
+    """
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool) -> None:
+        super().__init__(in_features, sum(n for _, n in parts), bias=bias)
+        self.parts = parts
+
+    def fuse_hook(self, module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{kind}" for name, _ in self.parts]
+            if all(k in state for k in keys):
+                state[f"{prefix}{self.fused_name}.{kind}"] = torch.cat([state.pop(k) for k in keys])
+
+
+def _split_state_hook(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """state_dict() post-hook: every FusedLinear child is written back as its named parts."""
+    for child_name, child in module.named_children():
+        if not isinstance(child, FusedLinear):
+            continue
+        for kind in ("weight", "bias"):
+            fused = state.pop(f"{prefix}{child_name}.{kind}", None)
+            if fused is None:
+                continue
+            for (name, _), piece in zip(child.parts, fused.split([n for _, n in child.parts])):
+                state[f"{prefix}{name}.{kind}"] = piece
+
+
+def _register_fused(owner: nn.Module, name: str, fused: FusedLinear) -> None:
+    fused.fused_name = name
+    owner.add_module(name, fused)
+    owner.register_load_state_dict_pre_hook(fused.fuse_hook)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, input_size: int | None = None) -> None:
+        """`input_size` differs from hidden_size only in an EAGLE3 head (embedding ‖ hidden, 2H)."""
+        super().__init__()
+        self.layer = layer
+        self.heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q_size, kv_size, _ = self.heads.sizes
+        parts = [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)]
+        _register_fused(self, "qkv_proj", FusedLinear(input_size or cfg.hidden_size, parts, bias=cfg.qkv_bias))
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.register_state_dict_post_hook(_split_state_hook)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
+        q = ctx.backend.qkv_to_cache(self.layer, self.qkv_proj(x), self.heads, qk_norm, ctx.cache, ctx.batch, ctx.meta)
+        return self.o_proj(ctx.backend.attend(self.layer, q, ctx.cache, ctx.batch, ctx.meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        parts = [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)]
+        _register_fused(self, "gate_up_proj", FusedLinear(cfg.hidden_size, parts, bias=cfg.mlp_bias))
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.register_state_dict_post_hook(_split_state_hook)
+
+    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        return self.down_proj(backend.silu_mul(self.gate_up_proj(x)))
 
 
 @dataclass(frozen=True)
@@ -37,63 +105,8 @@ class LayerContext:
 
     batch: ForwardBatch
     cache: KVCache
-    backend: AttentionBackend
-    attn_meta: object  # the backend's per-batch metadata
-    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [R, T, 1, D]
-
-
-def rope_cos_sin(
-    inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [R, T, 1, D] computed like transformers: fp32 angles, scaled, cast to `dtype`."""
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int, input_size: int | None = None) -> None:
-        """`input_size` differs from hidden_size only in an EAGLE3 head (embedding ‖ hidden, 2H)."""
-        super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        d_in = input_size or cfg.hidden_size
-        self.q_proj = nn.Linear(d_in, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        r, t, _ = x.shape
-        q = self.q_proj(x).view(r, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(r, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(r, t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = ctx.rope
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = ctx.backend.attend(self.layer, q, k, v, ctx.cache, ctx.batch, ctx.attn_meta)
-        return self.o_proj(out.reshape(r, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    backend: Backend
+    meta: Any  # the backend's per-forward metadata
 
 
 class DecoderLayer(nn.Module):
@@ -104,9 +117,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: LayerContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual): the stream entering this layer is x + residual; returns the same pair after it."""
+        norm1, norm2, backend = self.input_layernorm, self.post_attention_layernorm, ctx.backend
+        h, residual = backend.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h, residual = backend.add_rms_norm(self.self_attn(h, ctx), residual, norm2.weight, norm2.eps)
+        return self.mlp(h, backend), residual
 
 
 class Transformer(nn.Module):
@@ -117,10 +135,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-@dataclass(frozen=True)
-class ForwardOutput:
-    hidden: torch.Tensor  # [R, T, H] after the final norm
-    captured: torch.Tensor | None  # [R, T, len(capture), H]: residual stream at the requested indices
+def last_positions(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """x [R, T, ...] at each row's last real token: [R, 1, ...] (so a prefill computes one row of logits)."""
+    idx = (batch.num_new - 1).clamp_min(0).view(-1, 1, *([1] * (x.dim() - 2)))
+    return x.gather(1, idx.expand(-1, 1, *x.shape[2:]))
 
 
 class DecoderLM(nn.Module):
@@ -137,32 +155,38 @@ class DecoderLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.inv_freq, self.config.rope_attention_scaling)
+
     def forward(
         self,
         batch: ForwardBatch,
         cache: KVCache,
-        backend: AttentionBackend,
+        backend: Backend,
         capture: tuple[int, ...] = (),
-    ) -> ForwardOutput:
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the batch's new tokens, writing their KV into `cache`.
 
-        `capture` lists residual-stream indices in transformers' `hidden_states` convention:
-        0 is the embedding output, i (1 <= i < num_layers) the stream after i decoder layers.
+        Returns logits [R, T, V] (or [R, 1, V] at each row's last real token with `last_only`) and, when
+        `capture` names residual-stream indices in transformers' `hidden_states` numbering (0: the
+        embeddings; i: the stream after i decoder layers), those streams as [R, T, len(capture)·H].
         """
         n = self.config.num_layers
         if any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture indices must lie in [0, {n - 1}] for a {n}-layer model, got {capture}")
         x = self.model.embed_tokens(batch.tokens)
-        rope = rope_cos_sin(self.inv_freq, self.config.rope_attention_scaling, batch.positions, x.dtype)
-        ctx = LayerContext(batch, cache, backend, backend.prepare(batch), rope)
-        captured = [x] if 0 in capture else []
-        for i, layer in enumerate(self.model.layers, start=1):
-            x = layer(x, ctx)
+        ctx = LayerContext(batch, cache, backend, backend.prepare(batch, self.rope, x.dtype))
+        residual: torch.Tensor | None = None
+        streams: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
             if i in capture:
-                captured.append(x)
-        by_index = dict(zip(sorted(set(capture)), captured))
-        stacked = torch.stack([by_index[i] for i in capture], dim=2) if capture else None
-        return ForwardOutput(hidden=self.model.norm(x), captured=stacked)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+                streams[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, ctx)
+        norm = self.model.norm
+        hidden, _ = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+        features = torch.cat([streams[i] for i in capture], dim=-1) if capture else None
+        if last_only:
+            hidden = last_positions(hidden, batch)
+        return self.lm_head(hidden), features

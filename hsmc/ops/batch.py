@@ -1,7 +1,13 @@
 """The one small context object a forward pass needs (nano-vllm's `Context`, made explicit).
 
-Rows bring 1..T new tokens each, padded to a rectangle [R, T] so that a batch bucket has one
-static shape. Padding tokens write their KV to a trash slot and their outputs are ignored.
+Rows bring 0..T new tokens each, padded to a rectangle [R, T] so that a batch bucket has one
+static shape. Padding tokens write their KV to the trash slot and their outputs are ignored.
+
+A new token has two coordinates: its *column* in the row's block table (where its KV lives and
+what causality is measured in: token t of row r sits at column `start[r] + t`) and its *RoPE
+position*. They coincide for a plain sequence; tree drafting will put siblings at one position
+in different columns, so the two are kept apart. `mask`, when given, replaces causality by an
+explicit pattern over key columns (the EAGLE3 training-time test uses one; a draft tree will).
 """
 
 from __future__ import annotations
@@ -13,43 +19,28 @@ import torch
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    rows: torch.Tensor  # int64 [R]: row ids in the block tables
+    rows: torch.Tensor  # int64 [R]: row ids into `table`
+    table: torch.Tensor  # int64 [max_rows + 1, C]: every row's column -> slot table (the engine's own tensor)
     tokens: torch.Tensor  # int64 [R, T]
-    positions: torch.Tensor  # int64 [R, T]: absolute positions; padding repeats a valid one
-    valid: torch.Tensor  # bool [R, T]: real tokens (a prefix of each row)
-    write_slots: torch.Tensor  # int64 [R, T]: KV slot per token, the trash slot for padding
-    key_slots: torch.Tensor  # int64 [R, L]: the row's slots for positions 0..L-1
-    max_context: int  # L: a host-known upper bound on every row's context after this step
+    positions: torch.Tensor  # int64 [R, T]: RoPE positions
+    write_slots: torch.Tensor  # int64 [R, T]: KV slot per new token; the trash slot for padding
+    start: torch.Tensor  # int64 [R]: column of each row's first new token (= its KV length before the step)
+    num_new: torch.Tensor  # int64 [R]: real tokens per row (a prefix of the T columns)
+    max_context: int  # host-known bound on start + num_new over the rows (sizes the reference backend's gather)
+    mask: torch.Tensor | None = None  # bool [R, T, max_context]: key columns each query sees; None = causal
 
-    @classmethod
-    def build(
-        cls,
-        block_table: torch.Tensor,
-        rows: torch.Tensor,
-        tokens: torch.Tensor,
-        num_new: torch.Tensor,
-        start: torch.Tensor,
-        max_context: int,
-        trash_slot: int,
-    ) -> ForwardBatch:
-        """Batch for `tokens[i, :num_new[i]]` at positions `start[i]...` of row `rows[i]`.
+    @property
+    def context_lens(self) -> torch.Tensor:
+        """Keys each row attends over after this step's writes."""
+        return self.start + self.num_new
 
-        The rows' block tables must already hold slots for those positions (the row owns its
-        tokens; each model of a stack fills its own cache at the same slots when it gets to them).
-        `max_context` bounds start + num_new for every row; the caller tracks it on the host so no
-        sync is needed to size the key gather.
-        """
-        offsets = torch.arange(tokens.shape[1], device=tokens.device)
-        valid = offsets[None, :] < num_new[:, None]
-        positions = start[:, None] + torch.minimum(offsets[None, :], (num_new - 1).clamp_min(0)[:, None])
-        table = block_table[rows]
-        write_slots = torch.where(valid, table.gather(1, positions), trash_slot)
-        return cls(
-            rows=rows,
-            tokens=tokens,
-            positions=positions,
-            valid=valid,
-            write_slots=write_slots,
-            key_slots=table[:, :max_context],
-            max_context=max_context,
-        )
+    @property
+    def query_cols(self) -> torch.Tensor:
+        """Column of every query [R, T]."""
+        return padded_columns(self.start, self.num_new, self.tokens.shape[1])
+
+
+def padded_columns(start: torch.Tensor, num_new: torch.Tensor, width: int) -> torch.Tensor:
+    """Columns start[i] + j for j < width, padding repeating each row's last real column (start for empty rows)."""
+    offsets = torch.arange(width, device=start.device)
+    return start[:, None] + torch.minimum(offsets[None, :], (num_new - 1).clamp_min(0)[:, None])

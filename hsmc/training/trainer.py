@@ -21,9 +21,12 @@ from tqdm import tqdm
 from hsmc.config import load_structured
 from hsmc.eagle.checkpoint import capture_layers, head_from_config, new_head_config, save_eagle3_head
 from hsmc.eagle.head import Eagle3Head
+from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+from hsmc.engine.runner import ModelRunner
 from hsmc.errors import ConfigError
-from hsmc.levels.base import SequenceState
+from hsmc.levels.base import padded_prompts
 from hsmc.models.loading import LoadedModel, load_model, read_hf_config, resolve_folder
+from hsmc.ops.backend import TorchBackend
 from hsmc.training.ttt import TTTBatch, ttt_loss
 from hsmc.training.vocab import build_vocab_mapping
 
@@ -106,7 +109,7 @@ def generate_data(cfg: TrainEagleConfig, out: Path, device: torch.device) -> dic
             ids = encode_prompt(decoder.tokenizer, prompt, cfg.chat_template)
             sequences.append(ids + result.token_ids)
             starts.append(len(ids))
-    counts = torch.zeros(decoder.stack.levels[0].state.model.config.vocab_size, dtype=torch.int64)
+    counts = torch.zeros(decoder.stack.levels[0].state.runner.module.config.vocab_size, dtype=torch.int64)
     for seq, start in zip(sequences, starts):
         counts += torch.bincount(torch.tensor(seq[start:]), minlength=counts.numel())
     data = {"sequences": sequences, "starts": starts, "counts": counts}
@@ -118,19 +121,19 @@ def generate_data(cfg: TrainEagleConfig, out: Path, device: torch.device) -> dic
 def _verifier_batch(
     verifier: LoadedModel, layers: tuple[int, ...], sequences: list[list[int]], starts: list[int]
 ) -> TTTBatch:
-    """Second pass: features at `layers` and logits of the verifier for a padded batch."""
+    """Second pass: features at `layers` and logits of the verifier for a padded batch (one forward)."""
+    model = verifier.model
+    device = model.model.embed_tokens.weight.device
     longest = max(len(s) for s in sequences)
-    device = verifier.model.model.embed_tokens.weight.device
-    state = SequenceState(verifier.model, len(sequences), len(sequences) * longest, device)
-    rows = torch.arange(len(sequences), device=state.seq.device)
-    state.load_prompts(rows, sequences)
-    step = state.forward(rows, capture=layers)
-    state.release(rows)
-    lengths = torch.tensor([len(s) for s in sequences], device=rows.device)
-    positions = torch.arange(longest, device=rows.device)
-    start = torch.tensor(starts, device=rows.device)
+    tables = BlockTables(SlotAllocator(len(sequences) * longest, device), len(sequences), longest)
+    runner = ModelRunner(model, tables, TorchBackend(), model.config.num_layers, capture=layers)
+    tokens, lengths = padded_prompts(sequences, device)
+    rows = torch.arange(len(sequences), device=device)
+    logits, features = runner.forward(runner.new_tokens(rows, tokens, lengths, longest))
+    positions = torch.arange(longest, device=device)
+    start = torch.tensor(starts, device=device)
     mask = (positions[None] + 1 >= start[:, None]) & (positions[None] + 1 < lengths[:, None])
-    return TTTBatch(step.features, state.seq[:, :longest].clone(), step.logits, mask)
+    return TTTBatch(features, tokens, logits, mask)
 
 
 def init_head(config: dict, d2t: torch.Tensor, t2d: torch.Tensor, device: torch.device, seed: int) -> Eagle3Head:

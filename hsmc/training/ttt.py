@@ -4,8 +4,10 @@ Index t of a sequence pairs the verifier's feature f_t with token x_{t+1}. Step 
 step k reads the head's own pre-norm output of step k-1 at the same index, the token x_{t+1+k}
 and RoPE position t+k, and predicts x_{t+2+k}. Its query attends to the step-0 keys at indices
 <= t and to the keys of steps 1..k at index t — exactly what a query sees at draft step k of
-inference. Loss: sum_k 0.8^k soft cross-entropy against softmax(verifier logits restricted to the
-draft vocabulary) at the predicted position, on response tokens whose verifier argmax is in it.
+inference. The unroll runs through the head's own paged forward (the one drafting uses), with that
+attention pattern as an explicit mask and every step's keys in one fresh KV cache.
+Loss: sum_k 0.8^k soft cross-entropy against softmax(verifier logits restricted to the draft
+vocabulary) at the predicted position, on response tokens whose verifier argmax is in it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import torch
 from torch import nn
 
 from hsmc.eagle.head import Eagle3Head
-from hsmc.models.decoder import rope_cos_sin, rotate_half
+from hsmc.ops.backend import TorchBackend
+from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.kv_cache import KVCache
 
 
 @dataclass
@@ -33,45 +37,57 @@ class TTTOutput:
     accuracy: list[float]  # per step: top-1 agreement with the verifier on masked positions
 
 
+def ttt_attention_batch(b: int, n: int, step: int, steps: int, device: torch.device) -> ForwardBatch:
+    """Step `step` of the unroll as a paged forward: row b's table holds the keys of step m at columns
+    m·n .. m·n+n-1 (slots b·steps·n + column); index t's query (RoPE position t+step) sees the step-0
+    keys at columns <= t and the step-1..step keys at index t (an explicit mask)."""
+    cols = torch.arange(steps * n, device=device)
+    table = torch.cat(
+        [
+            torch.arange(b + 1, device=device)[:, None] * steps * n + cols,
+            torch.zeros(b + 1, 1, dtype=torch.int64, device=device),
+        ],
+        1,
+    )
+    idx = torch.arange(n, device=device)
+    context = (step + 1) * n
+    key = torch.arange(context, device=device)
+    key_step, key_index = key // n, key % n
+    mask = torch.where(key_step[None, :] == 0, key_index[None, :] <= idx[:, None], key_index[None, :] == idx[:, None])
+    rows = torch.arange(b, device=device)
+    return ForwardBatch(
+        rows=rows,
+        table=table,
+        tokens=torch.zeros(b, n, dtype=torch.int64, device=device),
+        positions=(idx + step)[None].expand(b, n),
+        write_slots=table[rows, step * n : step * n + n],
+        start=torch.full((b,), step * n, dtype=torch.int64, device=device),
+        num_new=torch.full((b,), n, dtype=torch.int64, device=device),
+        max_context=context,
+        mask=mask[None].expand(b, n, context),
+    )
+
+
 def ttt_loss(head: Eagle3Head, embed: nn.Embedding, batch: TTTBatch, steps: int = 7, decay: float = 0.8) -> TTTOutput:
-    attn = head.midlayer.self_attn
     b, t, _ = batch.features.shape
     n = t - 1  # indices 0..T-2 have a next token x_{t+1}
+    device = batch.features.device
     hidden = head.fc(batch.features[:, :n])
+    attn = head.midlayer.self_attn
+    cache = KVCache(1, b * steps * n, attn.heads.num_kv_heads, attn.heads.head_dim, hidden.dtype, device)
     target_logp = torch.log_softmax(batch.target_logits.float()[..., head.t2d], -1)  # [B, T, draft]
     in_draft = head.t2d[batch.target_logits.argmax(-1)]
-    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
-    causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=hidden.device))
-    total = torch.zeros((), device=hidden.device)
+    total = torch.zeros((), device=device)
     accuracy = []
+    backend = TorchBackend()
     for k in range(steps):
-        valid = torch.arange(n, device=hidden.device) + 1 + k < t  # x_{t+1+k} exists
-        idx = (torch.arange(n, device=hidden.device) + 1 + k).clamp_max(t - 1)
-        layer = head.midlayer
+        valid = torch.arange(n, device=device) + 1 + k < t  # x_{t+1+k} exists
+        idx = (torch.arange(n, device=device) + 1 + k).clamp_max(t - 1)
         embeds = embed(batch.tokens[:, idx]).to(hidden.dtype)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)
-        q = attn.q_proj(x).view(b, n, attn.num_heads, attn.head_dim)
-        kk = attn.k_proj(x).view(b, n, attn.num_kv_heads, attn.head_dim)
-        v = attn.v_proj(x).view(b, n, attn.num_kv_heads, attn.head_dim)
-        positions = (torch.arange(n, device=hidden.device) + k)[None].expand(b, n)
-        cos, sin = rope_cos_sin(head.inv_freq, head.config.rope_attention_scaling, positions, q.dtype)
-        q, kk = q * cos + rotate_half(q) * sin, kk * cos + rotate_half(kk) * sin
-        rep = attn.num_heads // attn.num_kv_heads
-        kk, v = kk.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-        keys.append((kk, v))
-        scale = attn.head_dim**-0.5
-        k0, v0 = keys[0]
-        scores0 = torch.einsum("bqhd,bkhd->bhqk", q, k0) * scale
-        scores0 = scores0.masked_fill(~causal, float("-inf"))
-        diag = [torch.einsum("bqhd,bqhd->bhq", q, kj) * scale for kj, _ in keys[1:]]
-        weights = torch.softmax(torch.cat([scores0, *[d[..., None] for d in diag]], -1), -1)
-        out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :n], v0)
-        for j, (_, vj) in enumerate(keys[1:]):
-            out = out + weights[..., n + j].transpose(1, 2)[..., None] * vj
-        h = hidden + attn.o_proj(out.reshape(b, n, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logp = torch.log_softmax(head.lm_head(head.norm(h)).float(), -1)
-        target_pos = (torch.arange(n, device=hidden.device) + 1 + k).clamp_max(t - 1)
+        forward = ttt_attention_batch(b, n, k, steps, device)
+        hidden, logits = head(forward, cache, backend, embeds=embeds, hidden=hidden)
+        logp = torch.log_softmax(logits.float(), -1)
+        target_pos = (torch.arange(n, device=device) + 1 + k).clamp_max(t - 1)
         mask = batch.loss_mask[:, target_pos] & in_draft[:, target_pos] & valid[None]
         tgt = target_logp[:, target_pos]
         ce = -(tgt.exp() * logp).sum(-1)
@@ -79,5 +95,4 @@ def ttt_loss(head: Eagle3Head, embed: nn.Embedding, batch: TTTBatch, steps: int 
         total = total + decay**k * (ce * mask).sum() / denom
         agree = (logp.argmax(-1) == tgt.argmax(-1)) & mask
         accuracy.append(float(agree.sum() / denom))
-        hidden = h
     return TTTOutput(total, accuracy)

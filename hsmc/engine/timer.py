@@ -1,0 +1,43 @@
+"""Time a level spends in its forwards, without a host read per forward.
+
+On CUDA each timed region records a pair of events; they are read (one sync) only when the seconds
+are asked for, at the end of a run. On the CPU the host clock is exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class ForwardTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._seconds = 0.0
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - began
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1000
+            self._events.clear()
+        return self._seconds

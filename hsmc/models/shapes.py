@@ -1,0 +1,105 @@
+"""Real model shapes with random weights, for measuring speed where the checkpoints are not at hand.
+
+Decode speed depends on the shapes (bytes read per step), not on the weight values, so a benchmark
+of a random model of Qwen3-8B's exact shape measures what Qwen3-8B would run at. Weights are drawn on
+the target device directly (normal, std 0.02; norms 1), never zeros (METHOD.md: zeros can time faster).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hsmc.models.config import DecoderConfig
+from hsmc.models.decoder import DecoderLM
+
+_QWEN3 = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    head_dim=128,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    eos_token_id=151645,
+)
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        _QWEN3,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-32b": dict(
+        _QWEN3,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=False,
+        eos_token_id=128009,
+    ),
+}
+
+
+def hf_config(shape: str) -> Any:
+    """The transformers config of a named shape."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**SHAPES[shape])
+
+
+@torch.no_grad()
+def random_model(config: DecoderConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> DecoderLM:
+    """A DecoderLM of `config`'s shape with random weights drawn on `device`."""
+    with torch.device("meta"):
+        model = DecoderLM(config).to(dtype)  # cast on meta: nothing is allocated in fp32 first
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=generator)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = torch.tensor(config.inv_freq, dtype=torch.float32, device=device)
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter (a tied embedding counts once)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())

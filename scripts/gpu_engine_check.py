@@ -1,0 +1,532 @@
+"""One-call GPU check of the engine: correctness against the CPU oracle, then speed against the roofline.
+
+    python scripts/gpu_engine_check.py --out DIR [--sections kernels,tiny,smollm2,bench,verify,profile]
+        [--gguf PATH]
+
+kernels  compiled Triton kernels vs the torch reference on the GPU: paged attention over ragged random
+         batches with contexts up to 8k (decode, verify, prefill chunks; bf16/fp16/fp32; GQA 4 and 8),
+         each fused kernel in bf16 (in last-place units), and the decode attention's achieved bandwidth.
+tiny     tiny Llama/Qwen2/Qwen3 (fp32): logits of hsmc on CUDA (Triton + CUDA graphs) vs transformers on
+         the CPU; greedy decoding of a model, a [draft, rejection] and an [eagle3, rejection] stack on
+         CUDA equal to the CPU reference token for token, with torch.cuda.set_sync_debug_mode("error")
+         around the whole generate() call after a warm-up.
+smollm2  the real SmolLM2-135M-Instruct (from --gguf): greedy CUDA == CPU on the demo prompts.
+bench    `hsmc bench` numbers: Qwen3-8B shape at batch 1/4/16 and Qwen3-32B at batch 1 (random bf16
+         weights, 128-token prompts, 256 new tokens), transformers eager generate as the baseline, the
+         roofline from the measured copy bandwidth; graph capture time of the 8B buckets.
+verify   one verify forward of 16 rows x 9 tokens on the 32B shape vs the time to read its weights once.
+profile  the kernels of one 8B decode step, grouped, from torch.profiler.
+Results are printed and written to DIR (results.json, summary.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from conftest import make_tiny_model  # noqa: E402
+from test_eagle_checkpoint import published_layout  # noqa: E402
+
+from hsmc.bench import copy_bandwidth, run_bench  # noqa: E402
+from hsmc.decoder import HierarchicalDecoder  # noqa: E402
+from hsmc.engine.kv_pool import BlockTables, SlotAllocator  # noqa: E402
+from hsmc.engine.runner import ModelRunner  # noqa: E402
+from hsmc.models.config import DecoderConfig  # noqa: E402
+from hsmc.models.loading import load_model  # noqa: E402
+from hsmc.models.shapes import hf_config, random_model, weight_bytes  # noqa: E402
+from hsmc.ops.backend import HeadLayout, Rope, TorchBackend  # noqa: E402
+from hsmc.ops.batch import ForwardBatch, padded_columns  # noqa: E402
+from hsmc.ops.kv_cache import KVCache  # noqa: E402
+from hsmc.ops.paged_attention import paged_attention, plan_attention  # noqa: E402
+from hsmc.ops.triton_backend import TritonBackend  # noqa: E402
+
+results: dict = {}
+summary: list[str] = []
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    summary.append(line)
+
+
+def ragged_batch(rng: random.Random, rows: int, tokens: int, max_context: int, slots: int) -> ForwardBatch:
+    start = torch.tensor([rng.randint(0, max_context - tokens) for _ in range(rows)], device="cuda")
+    start[0] = max_context - tokens  # one row at the longest context
+    num_new = torch.tensor([rng.randint(1, tokens) for _ in range(rows)], device="cuda")
+    num_new[0] = tokens
+    table = torch.randperm(slots, device="cuda")[: (rows + 1) * (max_context + 1)].view(rows + 1, -1)
+    row_ids = torch.arange(rows, device="cuda")
+    cols = padded_columns(start, num_new, tokens)
+    valid = torch.arange(tokens, device="cuda")[None] < num_new[:, None]
+    write = torch.where(valid, table[row_ids[:, None], cols], slots)
+    zeros = torch.zeros(rows, tokens, dtype=torch.int64, device="cuda")
+    return ForwardBatch(row_ids, table, zeros, cols, write, start, num_new, int((start + num_new).max()))
+
+
+def check_kernels() -> None:
+    say("== kernels: compiled Triton vs torch reference on the GPU ==")
+    rng = random.Random(0)
+    worst = {}
+    cases = [  # rows, tokens, max context, heads, kv heads
+        (1, 1, 8192, 32, 8),
+        (4, 1, 3000, 64, 8),
+        (16, 1, 700, 32, 8),
+        (16, 9, 2048, 64, 8),
+        (3, 5, 8192, 32, 8),
+        (2, 128, 1024, 32, 8),
+        (5, 17, 200, 16, 8),
+        (2, 1, 1, 32, 8),
+    ]
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 3e-3), (torch.float32, 2e-5)):
+        for rows, tokens, context, heads, kv_heads in cases:
+            slots = (rows + 1) * (context + 1) + 7
+            batch = ragged_batch(rng, rows, tokens, context, slots)
+            cache = KVCache(1, slots, kv_heads, 128, dtype, "cuda")
+            cache.data.normal_()
+            q = torch.randn(rows, tokens, heads, 128, dtype=dtype, device="cuda")
+            plan = plan_attention(rows, tokens, batch.max_context, heads, kv_heads, 132)
+            out = paged_attention(
+                q, cache.keys(0), cache.values(0), batch.table, batch.rows, batch.start, batch.num_new, plan
+            )
+            meta = TorchBackend().prepare(batch, Rope(torch.ones(64, device="cuda"), 1.0), dtype)
+            ref = TorchBackend().attend(0, q, cache, batch, meta).view(q.shape)
+            err = max((out[i, :n] - ref[i, :n]).abs().max().item() for i, n in enumerate(batch.num_new.tolist()))
+            key = f"attention {str(dtype)[6:]} R{rows} T{tokens} L{context} H{heads}/{kv_heads} splits{plan.splits}"
+            worst[key] = err
+            assert err <= tol, f"{key}: max error {err}"
+    say(f"paged attention: {len(worst)} cases, worst max|err| per dtype: " + ", ".join(
+        f"{d} {max(v for k, v in worst.items() if d in k):.2e}" for d in ("bfloat16", "float16", "float32")
+    ))  # fmt: skip
+    # fused kernels in bf16: distance in units of bf16 resolution
+    tb, ref = TritonBackend(), TorchBackend()
+    x = torch.randn(64, 5120, device="cuda", dtype=torch.bfloat16) * 4
+    res = torch.randn_like(x)
+    w = (1 + 0.1 * torch.randn(5120, device="cuda")).to(torch.bfloat16)
+
+    def ulps(a, b):
+        return ((a.float() - b.float()).abs() / (b.float().abs().clamp_min(1) * 2**-7)).max().item()
+
+    fused = {
+        "add_rms_norm": ulps(tb.add_rms_norm(x, res, w, 1e-6)[0], ref.add_rms_norm(x, res, w, 1e-6)[0]),
+        "residual add": ulps(tb.add_rms_norm(x, res, w, 1e-6)[1], ref.add_rms_norm(x, res, w, 1e-6)[1]),
+        "silu_mul": ulps(tb.silu_mul(torch.cat([x, res], -1)), ref.silu_mul(torch.cat([x, res], -1))),
+    }
+    heads = HeadLayout(32, 8, 128)
+    qkv = torch.randn(4, 9, 48 * 128, device="cuda", dtype=torch.bfloat16)
+    batch = ragged_batch(rng, 4, 9, 300, 2000)
+    rope = Rope(1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)), 1.0)
+    norms = (w[:128], w[128:256], 1e-6)
+    outs = []
+    for backend in (tb, ref):
+        cache = KVCache(1, 2000, 8, 128, torch.bfloat16, "cuda")
+        outs.append(
+            (
+                backend.qkv_to_cache(0, qkv, heads, norms, cache, batch, backend.prepare(batch, rope, torch.bfloat16)),
+                cache.data,
+            )
+        )
+    valid = torch.arange(9, device="cuda")[None] < batch.num_new[:, None]
+    fused["qk_norm+rope (q)"] = ulps(outs[0][0][valid], outs[1][0][valid])
+    fused["kv write"] = ulps(outs[0][1][:, :, :2000], outs[1][1][:, :, :2000])
+    say("fused kernels, bf16, max distance in bf16 ulps: " + ", ".join(f"{k} {v:.1f}" for k, v in fused.items()))
+    # decode attention bandwidth at a long context (batch 16 x 4k context, 8 KV heads, d=128, bf16)
+    slots = 17 * 4097 + 7
+    batch = ragged_batch(rng, 16, 1, 4096, slots)
+    batch = ForwardBatch(**{**batch.__dict__, "start": torch.full_like(batch.start, 4095)})
+    cache = KVCache(1, slots, 8, 128, torch.bfloat16, "cuda")
+    cache.data.normal_()
+    q = torch.randn(16, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    plan = plan_attention(16, 1, 4096, 32, 8, 132)
+    import triton
+
+    ms = triton.testing.do_bench(
+        lambda: paged_attention(
+            q, cache.keys(0), cache.values(0), batch.table, batch.rows, batch.start, batch.num_new, plan
+        ),
+        return_mode="median",
+    )
+    kv_bytes = 16 * 4096 * 8 * 128 * 2 * 2
+    say(f"decode attention 16 rows x 4096 keys: {ms * 1e3:.1f} us, {kv_bytes / ms / 1e9:.2f} TB/s of K/V read")
+    results["kernels"] = {"attention": worst, "fused_ulps": fused, "decode_attention_us": ms * 1e3}
+
+
+def tiny_stack_configs(root: Path) -> dict[str, dict]:
+    draft = make_tiny_model("llama", root / "draft", seed=1)
+    target = make_tiny_model("llama", root / "target", seed=2)
+    from conftest import TINY_CONFIGS
+
+    llama = TINY_CONFIGS["llama"]
+    sizes = (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], 16, 96)
+    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=(*sizes, 101, 40), scale=0.3)
+    return {
+        "rejection": {
+            "levels": [
+                {"kind": "model", "model": str(draft), "temperature": 0.0},
+                {"kind": "rejection", "model": str(target), "num_draft_tokens": 4},
+            ]
+        },
+        "eagle3": {
+            "levels": [
+                {"kind": "eagle3", "model": str(head), "temperature": 0.0},
+                {"kind": "rejection", "model": str(target), "num_draft_tokens": 3},
+            ]
+        },
+    }
+
+
+def synced_generate(decoder: HierarchicalDecoder, prompts, new_tokens: int) -> tuple[list, list[str]]:
+    """generate() under torch.cuda.set_sync_debug_mode: returns the results and every place that synced."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = decoder.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    return results, syncs
+
+
+def greedy_cuda_vs_cpu(config: dict, prompts, new_tokens: int) -> tuple[bool, int, list[str]]:
+    """Greedy tokens on CUDA (Triton + graphs; after a warm-up, under the sync debug mode) vs the CPU oracle."""
+    cpu = HierarchicalDecoder.from_config({**config, "engine": {"kv_capacity_tokens": 2048}})
+    want = [r.token_ids for r in cpu.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)]
+    cuda = HierarchicalDecoder.from_config({**config, "engine": {"device": "cuda", "kv_capacity_tokens": 2048}})
+    cuda.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)  # warm-up: captures the graphs
+    results, syncs = synced_generate(cuda, prompts, new_tokens)
+    same = sum(r.token_ids == b for r, b in zip(results, want))
+    return same == len(want), same, syncs
+
+
+def check_tiny() -> None:
+    from transformers import AutoModelForCausalLM
+
+    say("== tiny models: CUDA (Triton + CUDA graphs) vs CPU ==")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    root = Path(tempfile.mkdtemp())
+    out = {}
+    rng = random.Random(1)
+    for arch in ("llama", "qwen2", "qwen3"):
+        path = make_tiny_model(arch, root / arch)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = load_model(str(path), device="cuda").model
+        tables = BlockTables(SlotAllocator(2048, "cuda"), 16, 256)
+        runner = ModelRunner(model, tables, TritonBackend(), model.config.num_layers, cuda_graphs=True)
+        contexts = [[rng.randrange(80) for _ in range(n)] for n in (5, 1, 12, 3, 8, 2, 17, 6, 9)]
+        new = [[rng.randrange(80) for _ in range(k)] for k in range(1, 10)]
+        err = 0.0
+        with torch.inference_mode():
+            for batch_tokens, check in ((contexts, False), (new, True)):
+                rows = torch.arange(9, device="cuda")
+                width = max(len(x) for x in batch_tokens)
+                tokens = torch.zeros(9, width, dtype=torch.int64)
+                for i, x in enumerate(batch_tokens):
+                    tokens[i, : len(x)] = torch.tensor(x)
+                counts = torch.tensor([len(x) for x in batch_tokens], device="cuda")
+                batch = runner.new_tokens(rows, tokens.cuda(), counts, 64)
+                logits, _ = runner.forward(batch)
+                if check:
+                    for i in range(9):
+                        ref = hf(torch.tensor([contexts[i] + new[i]])).logits[0, len(contexts[i]) :]
+                        err = max(err, (logits[i, : len(new[i])].float().cpu() - ref).abs().max().item())
+        prompts = contexts[:4]
+        same, n, syncs = greedy_cuda_vs_cpu({"levels": [{"model": str(path)}]}, prompts, 24)
+        out[arch] = {"logit_err": err, "greedy_equal": same, "syncs": syncs}
+        say(f"tiny {arch}: ragged batch through graphs max|logit diff| vs transformers-CPU {err:.2e}; "
+            f"greedy CUDA == CPU {n}/{len(prompts)}; synchronizing ops in generate(): {syncs or 'none'}")  # fmt: skip
+    for name, cfg in tiny_stack_configs(root).items():
+        prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
+        same, n, syncs = greedy_cuda_vs_cpu(cfg, prompts, 24)
+        out[name] = {"greedy_equal": same, "syncs": syncs}
+        say(f"tiny stack {name}: greedy CUDA == CPU {n}/{len(prompts)}; synchronizing ops: {syncs or 'none'}")
+    results["tiny"] = out
+
+
+def check_smollm2(gguf: Path) -> None:
+    say("== SmolLM2-135M-Instruct: greedy CUDA == CPU ==")
+    from hsmc.models.demo import demo_model_folder
+
+    folder = demo_model_folder("smollm2-135m-instruct", gguf.parent)
+    prompts = [
+        "What is the capital of France? Answer in one sentence.",
+        "Write a Python function that returns the factorial of n.",
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+    ]
+    from hsmc.models.tokenizer import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(folder)
+    ids = [encode_prompt(tok, p, True) for p in prompts]
+    out = {}
+    for name, cfg in {
+        "model": {"levels": [{"model": str(folder)}]},
+        "truncated-draft rejection": {
+            "levels": [
+                {"kind": "model", "model": str(folder), "num_layers": 12},
+                {"kind": "rejection", "model": str(folder), "num_draft_tokens": 4},
+            ]
+        },
+        "eagle3 rejection": {
+            "levels": [
+                {"kind": "eagle3", "model": str(ROOT / "assets/eagle3-smollm2-135m-instruct"), "dtype": "float32"},
+                {"kind": "rejection", "model": str(folder), "num_draft_tokens": 4},
+            ]
+        },
+    }.items():
+        same, n, syncs = greedy_cuda_vs_cpu(cfg, ids, 48)
+        out[name] = {"greedy_equal": same, "syncs": syncs}
+        say(f"smollm2 {name}: greedy CUDA == CPU {n}/{len(ids)} (48 tokens); synchronizing ops: {syncs or 'none'}")
+    results["smollm2"] = out
+
+
+def check_bench() -> None:
+    say("== decode speed: hsmc vs transformers eager vs roofline ==")
+    engine = {"max_batch_rows": 16, "kv_capacity_tokens": 8192}
+    began = time.perf_counter()
+    rows, table = run_bench(["qwen3-8b"], None, [1, 4, 16], 128, 256, "bfloat16", True, engine)
+    rows32, table32 = run_bench(["qwen3-32b"], None, [1], 128, 256, "bfloat16", True, engine)
+    say(table)
+    say(table32)
+    results["bench"] = [r.__dict__ | {"of_roofline": r.of_roofline} for r in rows + rows32]
+    say(f"(bench wall time {time.perf_counter() - began:.0f} s)")
+
+
+def check_sync_8b() -> None:
+    say("== Qwen3-8B shape, batch 4: synchronizing ops in generate() after a warm-up ==")
+    from hsmc.bench import shape_case
+
+    decoder, _, _ = shape_case("qwen3-8b", "bfloat16", torch.device("cuda"), {"kv_capacity_tokens": 4096})
+    prompts = torch.randint(0, 150000, (4, 128)).tolist()
+    decoder.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    _, syncs = synced_generate(decoder, prompts, 64)
+    say(f"qwen3-8b batch 4, 64 new tokens: synchronizing ops: {syncs or 'none'}")
+    results["sync_8b"] = syncs
+
+
+def check_gemv() -> None:
+    """cuBLAS (F.linear) vs the Triton GEMV on the 8B decode shapes; achieved bandwidth of each."""
+    import triton
+
+    from hsmc.ops.gemv import gemv
+
+    say("== decode matmuls of the 8B shape: cuBLAS vs Triton GEMV (TB/s of weight read) ==")
+    big = torch.empty(8 * 2**30, dtype=torch.uint8, device="cuda").view(torch.bfloat16)
+    big.normal_()
+    read_ms = triton.testing.do_bench(big.sum, return_mode="median")
+    say(f"read-only bandwidth (sum of 8 GiB): {8 * 2**30 / read_ms / 1e9:.2f} TB/s")
+    big = None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+              "lm_head": (151936, 4096)}  # fmt: skip
+    out = {}
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]  # > L2: rotate
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = torch.nn.functional.linear(x, ws[0])
+            i = [0]
+
+            def rot(fn):
+                def go():
+                    i[0] = (i[0] + 1) % 4
+                    return fn(ws[i[0]])
+
+                return go
+
+            row = {
+                "cublas": n
+                * k
+                * 2
+                / triton.testing.do_bench(rot(lambda w: torch.nn.functional.linear(x, w)), return_mode="median")
+                / 1e9
+            }
+            for bn, bk in ((32, 128), (64, 128), (64, 256), (128, 64), (16, 256)):
+                err = ((gemv(x, ws[0], sms, bn, bk).float() - ref.float()).norm() / ref.float().norm()).item()
+                assert err < 1e-2, (name, m, bn, bk, err)
+                ms = triton.testing.do_bench(rot(lambda w: gemv(x, w, sms, bn, bk)), return_mode="median")
+                row[f"triton {bn}x{bk}"] = n * k * 2 / ms / 1e9
+            out[f"{name} M={m}"] = row
+            best = max((v, kname) for kname, v in row.items() if kname != "cublas")
+            say(f"{name:<8} [{n}x{k}] M={m:<3} cuBLAS {row['cublas']:.2f} TB/s; best Triton {best[0]:.2f} ({best[1]})")
+    results["gemv"] = out
+
+
+def check_attention_variants() -> None:
+    """Decode-shaped attention (G = 4) over launch variants: splits x key block x warps, to set the planner."""
+    import triton
+
+    from hsmc.ops.paged_attention import AttentionPlan
+
+    say("== decode attention variants (us; H 32 / KV 8, d 128, bf16) ==")
+    rng = random.Random(5)
+    out = {}
+    for rows, context in ((1, 300), (1, 1200), (1, 4000), (4, 300), (16, 300), (16, 2000)):
+        slots = (rows + 1) * (context + 1) + 7
+        batch = ragged_batch(rng, rows, 1, context, slots)
+        batch = ForwardBatch(**{**batch.__dict__, "start": torch.full_like(batch.start, context - 1)})
+        cache = KVCache(1, slots, 8, 128, torch.bfloat16, "cuda")
+        cache.data.normal_()
+        q = torch.randn(rows, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+        keys, values = cache.keys(0), cache.values(0)
+        timings = {}
+        for splits in (1, 2, 4, 8, 16):
+            for block_n in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    plan = AttentionPlan(4, 16, splits, block_n, warps)
+                    fn = lambda p=plan: paged_attention(  # noqa: E731
+                        q, keys, values, batch.table, batch.rows, batch.start, batch.num_new, p
+                    )
+                    timings[(splits, block_n, warps)] = triton.testing.do_bench(fn, return_mode="median") * 1e3
+        current = plan_attention(rows, 1, context, 32, 8, 132)
+        fn = lambda: paged_attention(q, keys, values, batch.table, batch.rows, batch.start, batch.num_new, current)  # noqa: E731
+        now = triton.testing.do_bench(fn, return_mode="median") * 1e3
+        best = min(timings, key=timings.get)
+        say(f"R{rows:<3} L{context:<5} planner {current.splits}x{current.block_n}/{current.num_warps}w {now:6.1f} us; "
+            f"best splits {best[0]} block {best[1]} warps {best[2]}: {timings[best]:6.1f} us")  # fmt: skip
+        out[f"R{rows} L{context}"] = {str(k): v for k, v in timings.items()} | {"planner": now}
+    results["attention_variants"] = out
+
+
+def check_capture_time() -> None:
+    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    tables = BlockTables(SlotAllocator(8192, "cuda"), 16, 8192)
+    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    with torch.inference_mode():
+        runner.graphs.capture(1, True, {})
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    n = len(runner.graphs.captured)
+    say(f"capture of the 8B decode graphs ({n} buckets: rows {runner.graphs.row_buckets} x context "
+        f"{runner.graphs.context_buckets}), kernels compiled: {seconds:.1f} s")  # fmt: skip
+    results["capture_seconds"] = seconds
+
+
+def check_verify() -> None:
+    say("== verify forward: 16 rows x 9 tokens, Qwen3-32B shape ==")
+    import triton
+
+    cfg = DecoderConfig.from_hf(hf_config("qwen3-32b"))
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    bw = copy_bandwidth(torch.device("cuda"))
+    tables = BlockTables(SlotAllocator(16 * 1024, "cuda"), 16, 1024)
+    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    rows = torch.arange(16, device="cuda")
+    with torch.inference_mode():
+        prompt = torch.randint(0, cfg.vocab_size, (16, 128), device="cuda")
+        runner.forward(runner.new_tokens(rows, prompt, torch.full((16,), 128, device="cuda"), 128), last_only=True)
+        tokens = torch.randint(0, cfg.vocab_size, (16, 9), device="cuda")
+        nine = torch.full((16,), 9, device="cuda")
+
+        def verify():  # the same 9 tokens again and again: each verify is rolled back after it
+            runner.forward(runner.new_tokens(rows, tokens, nine, 137))
+            tables.rollback(rows, nine, 9)
+
+        verify()
+        ms = triton.testing.do_bench(verify, return_mode="median")
+    read_ms = weight_bytes(model) / bw * 1e3
+    say(f"verify 16x9 on 32B: {ms:.2f} ms; weights once at {bw / 1e12:.2f} TB/s: {read_ms:.2f} ms; "
+        f"ratio {ms / read_ms:.2f}x")  # fmt: skip
+    results["verify"] = {"ms": ms, "weight_read_ms": read_ms, "ratio": ms / read_ms}
+    w = model.model.layers[0].mlp.gate_up_proj.weight  # [51200, 5120]
+    sweep = {}
+    for m in (16, 64, 128, 144, 160, 256):
+        x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+        gemm_ms = triton.testing.do_bench(lambda x=x: torch.nn.functional.linear(x, w), return_mode="median")
+        sweep[m] = (w.numel() * 2 / gemm_ms / 1e9, 2 * m * w.numel() / gemm_ms / 1e9)
+    say("32B gate_up GEMM by rows M (TB/s of weight read, TFLOP/s): "
+        + ", ".join(f"M={m} {tb:.2f}/{tf:.0f}" for m, (tb, tf) in sweep.items()))  # fmt: skip
+    results["verify"]["gate_up_sweep"] = sweep
+
+
+def check_profile() -> None:
+    say("== one 8B decode step, by kernel (torch.profiler, graph replay) ==")
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    tables = BlockTables(SlotAllocator(4096, "cuda"), 1, 4096)
+    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    rows = torch.zeros(1, dtype=torch.int64, device="cuda")
+    one = torch.ones(1, dtype=torch.int64, device="cuda")
+    with torch.inference_mode():
+        runner.forward(runner.new_tokens(rows, torch.randint(0, 1000, (1, 200), device="cuda"), one * 200, 200), True)
+        for _ in range(3):
+            runner.forward(runner.new_tokens(rows, torch.randint(0, 1000, (1, 1), device="cuda"), one, 260), True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.forward(runner.new_tokens(rows, torch.randint(0, 1000, (1, 1), device="cuda"), one, 260), True)
+            torch.cuda.synchronize()
+    groups: dict[str, float] = {}
+    for e in prof.key_averages():
+        name = e.key
+        kind = (
+            "gemm" if any(s in name.lower() for s in ("gemm", "gemv", "sm90", "cutlass", "nvjet")) else
+            "attention" if "attention" in name or "combine" in name else
+            "norm" if "rms" in name else "qkv/rope" if "qkv" in name else "silu" if "silu" in name else name[:40]
+        )  # fmt: skip
+        groups[kind] = groups.get(kind, 0.0) + e.device_time_total / 5
+    total = sum(groups.values())
+    say(f"GPU time per decode step {total / 1e3:.2f} ms; weight read at roofline "
+        f"{weight_bytes(model) / copy_bandwidth(torch.device('cuda')) * 1e3:.2f} ms")  # fmt: skip
+    for kind, us in sorted(groups.items(), key=lambda kv: -kv[1])[:12]:
+        say(f"  {kind:<42}{us / 1e3:8.3f} ms {us / total:6.1%}")
+    results["profile_us"] = groups
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sections", default="kernels,tiny,smollm2,bench,verify,profile")
+    parser.add_argument("--gguf", type=Path, default=None)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    sections = args.sections.split(",")
+    steps = {
+        "kernels": check_kernels,
+        "tiny": check_tiny,
+        "smollm2": lambda: check_smollm2(args.gguf) if args.gguf else say("smollm2: no --gguf given, skipped"),
+        "profile": check_profile,
+        "capture": check_capture_time,
+        "sync8b": check_sync_8b,
+        "gemv": check_gemv,
+        "attnvar": check_attention_variants,
+        "bench": check_bench,
+        "verify": check_verify,
+    }
+    for name in sections:
+        began = time.perf_counter()
+        try:
+            steps[name]()
+        except Exception as e:  # keep going: one failing section must not hide the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            say(f"!! section {name} failed: {type(e).__name__}: {e}")
+        say(f"(section {name}: {time.perf_counter() - began:.0f} s)")
+        gc.collect()
+        torch.cuda.empty_cache()
+        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        (args.out / "summary.txt").write_text("\n".join(summary) + "\n")
+
+
+if __name__ == "__main__":
+    main()

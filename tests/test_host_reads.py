@@ -1,0 +1,138 @@
+"""Host reads in the decode loop, counted on the CPU: what would be a device->host sync on a GPU.
+
+A TorchDispatchMode sees every aten op; the ones that hand a tensor's value to Python (`.item()`,
+`int(t)` and `bool(t)` all reach `_local_scalar_dense`), produce a data-dependent shape (`nonzero`,
+`masked_select`, boolean-mask indexing) are counted, and so is `Tensor.tolist`. The reads of a run
+that do not depend on its length (admission, prefill, final statistics) cancel out by taking the
+difference of two runs that differ only in the number of steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hsmc.decoder import HierarchicalDecoder
+
+aten = torch.ops.aten
+SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+
+
+def _is_boolean_index(func, args) -> bool:
+    if func not in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+        return False
+    return any(i is not None and i.dtype == torch.bool for i in args[1])
+
+
+class HostReadCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self._tolist = torch.Tensor.tolist
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNCING or _is_boolean_index(func, args):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        counter, tolist = self, self._tolist
+
+        def counting_tolist(t):
+            counter.count += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counting_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def reads_and_steps(decoder: HierarchicalDecoder, prompts, new_tokens: int) -> tuple[int, int]:
+    """Host reads during generate(), and how many decode steps the top level ran."""
+    top = decoder.stack.top
+    steps = 0
+    step = top.step
+
+    def counted_step(rows):
+        nonlocal steps
+        steps += 1
+        return step(rows)
+
+    top.step = counted_step
+    try:
+        with HostReadCounter() as counter:
+            decoder.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    finally:
+        del top.step
+    return counter.count, steps
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reads")
+    return make_tiny_model("llama", root / "draft", seed=1), make_tiny_model("llama", root / "target", seed=2)
+
+
+PROMPTS = [[5, 9, 13], [7] * 9, [40, 41, 42, 43]]
+
+
+def test_model_top_reads_once_per_decode_step(models):
+    _, target = models
+    decoder = HierarchicalDecoder.from_config({"levels": [{"model": str(target), "temperature": 0.8}]})
+    short_reads, short_steps = reads_and_steps(decoder, PROMPTS, 6)
+    long_reads, long_steps = reads_and_steps(decoder, PROMPTS, 20)
+    assert long_steps - short_steps == 14
+    assert long_reads - short_reads <= long_steps - short_steps
+
+
+@pytest.mark.parametrize("draft_t", [0.0, 0.8], ids=["greedy-drafts", "sampled-drafts"])
+def test_rejection_top_reads_once_per_verify_cycle(models, draft_t):
+    draft, target = models
+    levels = [
+        {"kind": "model", "model": str(draft), "temperature": draft_t},
+        {"kind": "rejection", "model": str(target), "temperature": 0.8, "num_draft_tokens": 3},
+    ]
+    decoder = HierarchicalDecoder.from_config({"levels": levels})
+    short_reads, short_steps = reads_and_steps(decoder, PROMPTS, 6)
+    long_reads, long_steps = reads_and_steps(decoder, PROMPTS, 30)
+    assert long_steps > short_steps
+    assert long_reads - short_reads <= long_steps - short_steps
+
+
+def test_verifier_forwards_follow_the_slowest_row_not_the_sum(models):
+    """Rows that accept different numbers of drafts stay in one verify forward per cycle: B prompts cost
+    as many verifier forwards as the slowest row needs cycles (+1: the step the overlapped driver has
+    already started when it reads that the last row finished)."""
+    draft, target = models
+    levels = [
+        {"kind": "model", "model": str(draft), "temperature": 0.0},
+        {"kind": "rejection", "model": str(target), "temperature": 0.0, "num_draft_tokens": 4},
+    ]
+    decoder = HierarchicalDecoder.from_config({"levels": levels})
+    verifier = decoder.stack.top.state.runner
+    forwards = 0
+    forward = verifier.forward
+
+    def counted(*args, **kwargs):
+        nonlocal forwards
+        forwards += 1
+        return forward(*args, **kwargs)
+
+    verifier.forward = counted
+    prompts = PROMPTS + [[11, 12], [60] * 5, [3, 1, 4, 1, 5]]
+    alone = []
+    for p in prompts:  # cycles each row needs on its own (prefill excluded)
+        forwards = 0
+        decoder.generate([p], max_new_tokens=24, ignore_eos=True)
+        alone.append(forwards - 1 - 1)
+    forwards = 0
+    together = decoder.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    assert len(set(alone)) > 1, "rows should need different numbers of cycles (ragged acceptance)"
+    assert forwards - 1 - 1 == max(alone)
+    singles = [decoder.generate([p], max_new_tokens=24, ignore_eos=True)[0].token_ids for p in prompts]
+    assert [r.token_ids for r in together] == singles
