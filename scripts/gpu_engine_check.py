@@ -317,54 +317,6 @@ def check_sync_8b() -> None:
     results["sync_8b"] = syncs
 
 
-def check_gemv() -> None:
-    """cuBLAS (F.linear) vs the Triton GEMV on the 8B decode shapes; achieved bandwidth of each."""
-    import triton
-
-    from hsmc.ops.gemv import gemv
-
-    say("== decode matmuls of the 8B shape: cuBLAS vs Triton GEMV (TB/s of weight read) ==")
-    big = torch.empty(8 * 2**30, dtype=torch.uint8, device="cuda").view(torch.bfloat16)
-    big.normal_()
-    read_ms = triton.testing.do_bench(big.sum, return_mode="median")
-    say(f"read-only bandwidth (sum of 8 GiB): {8 * 2**30 / read_ms / 1e9:.2f} TB/s")
-    big = None
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
-              "lm_head": (151936, 4096)}  # fmt: skip
-    out = {}
-    for name, (n, k) in shapes.items():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]  # > L2: rotate
-        for m in (1, 4, 16):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = torch.nn.functional.linear(x, ws[0])
-            i = [0]
-
-            def rot(fn):
-                def go():
-                    i[0] = (i[0] + 1) % 4
-                    return fn(ws[i[0]])
-
-                return go
-
-            row = {
-                "cublas": n
-                * k
-                * 2
-                / triton.testing.do_bench(rot(lambda w: torch.nn.functional.linear(x, w)), return_mode="median")
-                / 1e9
-            }
-            for bn, bk in ((32, 128), (64, 128), (64, 256), (128, 64), (16, 256)):
-                err = ((gemv(x, ws[0], sms, bn, bk).float() - ref.float()).norm() / ref.float().norm()).item()
-                assert err < 1e-2, (name, m, bn, bk, err)
-                ms = triton.testing.do_bench(rot(lambda w: gemv(x, w, sms, bn, bk)), return_mode="median")
-                row[f"triton {bn}x{bk}"] = n * k * 2 / ms / 1e9
-            out[f"{name} M={m}"] = row
-            best = max((v, kname) for kname, v in row.items() if kname != "cublas")
-            say(f"{name:<8} [{n}x{k}] M={m:<3} cuBLAS {row['cublas']:.2f} TB/s; best Triton {best[0]:.2f} ({best[1]})")
-    results["gemv"] = out
-
-
 def check_attention_variants() -> None:
     """Decode-shaped attention (G = 4) over launch variants: splits x key block x warps, to set the planner."""
     import triton
@@ -507,7 +459,6 @@ def main() -> None:
         "profile": check_profile,
         "capture": check_capture_time,
         "sync8b": check_sync_8b,
-        "gemv": check_gemv,
         "attnvar": check_attention_variants,
         "bench": check_bench,
         "verify": check_verify,

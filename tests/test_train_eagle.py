@@ -97,3 +97,42 @@ def test_prompts_from_a_datasets_dataset(setup):
     from_datasets = trainer.read_prompts(cfg)
     from_file = trainer.read_prompts(_config(root, verifier, prompts, "file"))
     assert from_datasets == from_file and len(from_file) == 24
+
+
+def test_training_unroll_equals_inference_drafting(tmp_path):
+    """The TTT unroll and the drafting path run the same head forward: the logits of unroll step k at
+    index t equal those of the k-th draft step after the pairs up to t were processed, when the draft
+    steps are fed the same tokens (inference builds its KV step by step; training uses one masked cache)."""
+    from test_eagle_checkpoint import published_layout
+
+    from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+    from hsmc.engine.runner import ModelRunner
+    from hsmc.ops.backend import TorchBackend
+    from hsmc.training.ttt import ttt_unroll
+
+    folder, _ = published_layout(tmp_path / "h", dtype=torch.float32, seed=3)
+    head, _ = load_eagle3_head(str(folder))
+    h, vocab, length, steps = head.config.hidden_size, head.config.vocab_size, 12, 4
+    g = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(vocab, h)
+    torch.nn.init.normal_(embed.weight, generator=g)
+    features = torch.randn(2, length, 3 * h, generator=g)
+    tokens = torch.randint(0, vocab, (2, length), generator=g)
+    with torch.no_grad():
+        unrolled = ttt_unroll(head, embed, features, tokens, steps)
+        for t in (0, 4, 7):
+            runner = ModelRunner(head, BlockTables(SlotAllocator(64), 2, 64), TorchBackend(), num_layers=1)
+            rows = torch.arange(2)
+            pairs = t + 1  # (f_i, x_{i+1}) for i <= t, one causal forward
+            batch = runner.new_tokens(rows, tokens[:, 1 : pairs + 1], torch.full((2,), pairs), pairs)
+            hidden, logits = runner.forward(
+                batch, embeds=embed(tokens[:, 1 : pairs + 1]), hidden=head.fc(features[:, :pairs])
+            )
+            hidden, logits = hidden[:, -1:], logits[:, -1]
+            for k in range(steps):
+                if k:  # draft step k: the head's own output, the token x_{t+1+k}, position t+k
+                    token = tokens[:, t + 1 + k : t + 2 + k]
+                    batch = runner.new_tokens(rows, token, torch.ones(2, dtype=torch.int64), pairs + k)
+                    hidden, out = runner.forward(batch, embeds=embed(token), hidden=hidden)
+                    logits = out[:, 0]
+                assert (logits - unrolled[k][:, t]).abs().max() < 1e-4, (t, k)

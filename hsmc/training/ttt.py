@@ -41,14 +41,7 @@ def ttt_attention_batch(b: int, n: int, step: int, steps: int, device: torch.dev
     """Step `step` of the unroll as a paged forward: row b's table holds the keys of step m at columns
     m·n .. m·n+n-1 (slots b·steps·n + column); index t's query (RoPE position t+step) sees the step-0
     keys at columns <= t and the step-1..step keys at index t (an explicit mask)."""
-    cols = torch.arange(steps * n, device=device)
-    table = torch.cat(
-        [
-            torch.arange(b + 1, device=device)[:, None] * steps * n + cols,
-            torch.zeros(b + 1, 1, dtype=torch.int64, device=device),
-        ],
-        1,
-    )
+    table = torch.arange(b + 1, device=device)[:, None] * steps * n + torch.arange(steps * n, device=device)
     idx = torch.arange(n, device=device)
     context = (step + 1) * n
     key = torch.arange(context, device=device)
@@ -68,24 +61,36 @@ def ttt_attention_batch(b: int, n: int, step: int, steps: int, device: torch.dev
     )
 
 
-def ttt_loss(head: Eagle3Head, embed: nn.Embedding, batch: TTTBatch, steps: int = 7, decay: float = 0.8) -> TTTOutput:
-    b, t, _ = batch.features.shape
+def ttt_unroll(
+    head: Eagle3Head, embed: nn.Embedding, features: torch.Tensor, tokens: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
+    """Draft logits [B, T-1, Vd] of every unroll step: step k at index t reads x_{t+1+k} and predicts x_{t+2+k}."""
+    b, t, _ = features.shape
     n = t - 1  # indices 0..T-2 have a next token x_{t+1}
-    device = batch.features.device
-    hidden = head.fc(batch.features[:, :n])
+    device = features.device
+    hidden = head.fc(features[:, :n])
     attn = head.midlayer.self_attn
     cache = KVCache(1, b * steps * n, attn.heads.num_kv_heads, attn.heads.head_dim, hidden.dtype, device)
+    backend = TorchBackend()
+    logits_per_step = []
+    for k in range(steps):
+        idx = (torch.arange(n, device=device) + 1 + k).clamp_max(t - 1)
+        embeds = embed(tokens[:, idx]).to(hidden.dtype)
+        hidden, logits = head(ttt_attention_batch(b, n, k, steps, device), cache, backend, embeds=embeds, hidden=hidden)
+        logits_per_step.append(logits)
+    return logits_per_step
+
+
+def ttt_loss(head: Eagle3Head, embed: nn.Embedding, batch: TTTBatch, steps: int = 7, decay: float = 0.8) -> TTTOutput:
+    t = batch.features.shape[1]
+    n = t - 1
+    device = batch.features.device
     target_logp = torch.log_softmax(batch.target_logits.float()[..., head.t2d], -1)  # [B, T, draft]
     in_draft = head.t2d[batch.target_logits.argmax(-1)]
     total = torch.zeros((), device=device)
     accuracy = []
-    backend = TorchBackend()
-    for k in range(steps):
+    for k, logits in enumerate(ttt_unroll(head, embed, batch.features, batch.tokens, steps)):
         valid = torch.arange(n, device=device) + 1 + k < t  # x_{t+1+k} exists
-        idx = (torch.arange(n, device=device) + 1 + k).clamp_max(t - 1)
-        embeds = embed(batch.tokens[:, idx]).to(hidden.dtype)
-        forward = ttt_attention_batch(b, n, k, steps, device)
-        hidden, logits = head(forward, cache, backend, embeds=embeds, hidden=hidden)
         logp = torch.log_softmax(logits.float(), -1)
         target_pos = (torch.arange(n, device=device) + 1 + k).clamp_max(t - 1)
         mask = batch.loss_mask[:, target_pos] & in_draft[:, target_pos] & valid[None]
