@@ -125,6 +125,7 @@ def save_eagle3_head(head: Eagle3Head, config: dict[str, Any], folder: str | Pat
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    # the fused q/k/v and gate/up weights come out of state_dict() as views: give each key its own storage
+    state = {k: v.detach().cpu().clone() for k, v in head.state_dict().items()}
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     return folder

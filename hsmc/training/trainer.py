@@ -216,9 +216,10 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
             if accelerator.is_main_process:
                 log.write(json.dumps({"step": step, "loss": loss.item(), "top1": accuracy}) + "\n")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                accelerator.save_state(str(out / f"checkpoint-{step}"))
+                # torch serialization: the head's fused weights are saved through views of one storage
+                accelerator.save_state(str(out / f"checkpoint-{step}"), safe_serialization=False)
     except KeyboardInterrupt:
-        accelerator.save_state(str(out / f"checkpoint-{step}"))
+        accelerator.save_state(str(out / f"checkpoint-{step}"), safe_serialization=False)
         accelerator.print(f"\nhsmc: interrupted; saved checkpoint-{step}; rerun the same command to resume")
         raise
     finally:
