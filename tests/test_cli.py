@@ -15,7 +15,8 @@ DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 def test_generate_demo_config_prints_answers_and_stats(capsys, smollm2_dir):
     assert main(["generate", "--config", DEMO, "generation.max_new_tokens=24"]) == 0
     out = capsys.readouterr().out
-    assert "The capital of France is Paris." in out
+    answer = out.split("### What is the capital of France? Answer in one sentence.\n")[1].split("\n")[0]
+    assert "Paris" in answer  # a sampled answer (T = 0.7): its exact words depend on the random stream
     assert "tok/s" in out and "total" in out
     assert "mean_accepted_length" in out and "resample_rate" in out  # per-level stats of the 3-level stack
 
