@@ -101,5 +101,5 @@ def random_model(config: DecoderConfig, dtype: torch.dtype, device: torch.device
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every distinct parameter (a tied embedding counts once)."""
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    seen = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     return sum(seen.values())

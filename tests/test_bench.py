@@ -1,0 +1,57 @@
+"""`hsmc bench` pieces that run without a GPU: random models of real shapes, the transformers twin that
+shares their weights, and the refusal on a machine without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS
+from helpers import make_runner, run_new_tokens
+
+from hsmc.bench import hf_twin
+from hsmc.cli import main
+from hsmc.models.config import DecoderConfig
+from hsmc.models.shapes import SHAPES, hf_config, random_model, weight_bytes
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_transformers_twin_shares_the_weights_and_computes_the_same_logits(arch):
+    from transformers import AutoConfig
+
+    hf_cfg = AutoConfig.for_model(**TINY_CONFIGS[arch])
+    model = random_model(DecoderConfig.from_hf(hf_cfg), torch.float32, "cpu", seed=3)
+    twin = hf_twin(model, hf_cfg)
+    storages = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    assert all(p.untyped_storage().data_ptr() in storages for p in twin.parameters()), "the twin copied a weight"
+    ids = torch.randint(0, 80, (1, 9), generator=torch.Generator().manual_seed(0))
+    (logits,), _ = run_new_tokens(make_runner(model), [0], [ids[0].tolist()])
+    with torch.no_grad():
+        ref = twin(ids).logits[0]
+    assert (logits - ref).abs().max() < 1e-4
+
+
+def test_named_shapes_have_the_published_parameter_counts():
+    expected = {"qwen3-0.6b": 0.596e9, "qwen3-8b": 8.19e9, "qwen3-32b": 32.76e9, "llama-3.1-8b": 8.03e9}
+    for name, count in expected.items():
+        cfg = DecoderConfig.from_hf(hf_config(name))
+        with torch.device("meta"):
+            from hsmc.models.decoder import DecoderLM
+
+            model = DecoderLM(cfg)
+        assert weight_bytes(model) / 4 == pytest.approx(count, rel=0.01), name  # fp32 on meta: 4 bytes each
+    assert set(expected) <= set(SHAPES)
+
+
+def test_random_weights_are_not_zeros_and_norms_are_one():
+    model = random_model(DecoderConfig.from_hf(hf_config("qwen3-0.6b")), torch.bfloat16, "cpu")
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.float().std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # qwen3-0.6b ties them
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_without_a_gpu_is_one_clear_error(capsys):
+    assert main(["bench", "--shape", "qwen3-8b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hsmc: error:") and "CUDA" in err[0]
