@@ -65,6 +65,96 @@ def add_rms_norm(
 
 
 @triton.jit
+def _norm_gemv_kernel(
+    x_ptr,
+    res_ptr,
+    norm_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    stream_ptr,
+    M,
+    N,
+    K,
+    stride_wn,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    m = tl.arange(0, BLOCK_M)
+    m_valid = m < M
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = n < N
+    # pass 1: each row's RMS over the stream s = x + residual (rounded like the reference's add)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = m_valid[:, None] & (k < K)[None, :]
+        s = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s = _round(s + tl.load(res_ptr + m[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32), dtype)
+            if pid == 0:
+                tl.store(stream_ptr + m[:, None] * K + k[None, :], s.to(dtype), mask=mask)
+        sumsq += tl.sum(s * s, 1)
+    inv = tl.rsqrt(sumsq / K + eps)
+    # pass 2: the normalized rows times this program's slab of W, streamed once
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_valid = k < K
+        mask = m_valid[:, None] & k_valid[None, :]
+        s = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s = _round(s + tl.load(res_ptr + m[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32), dtype)
+        g = tl.load(norm_ptr + k, mask=k_valid, other=0.0).to(tl.float32)
+        h = _round(_round(s * inv[:, None], dtype) * g[None, :], dtype)
+        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(h.to(w.dtype), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(h.to(w.dtype), tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=m_valid[:, None] & n_valid[None, :])
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sm_count: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual) for at most 16 rows: the decode-time matmul that
+    reads the weight once, with the norm (and residual add) computed in its prologue instead of a kernel of
+    its own. Each program streams a [BLOCK_N, K] slab of the weight; enough programs to fill the GPU."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    stream = torch.empty_like(x2) if residual is not None else x2
+    res = residual.reshape(-1, k) if residual is not None else x2
+    per_program = max(1, n // (2 * sm_count))  # rows of W per program for two waves of programs
+    block_n = max(16, min(64, 1 << (per_program.bit_length() - 1)))
+    block_k = 256 if block_n == 16 else 128
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x2, res, norm_weight, weight, bias if bias is not None else weight, out, stream, rows, n, k,
+        weight.stride(0), eps, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n), stream.view(x.shape)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
