@@ -82,12 +82,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        return self.attend_qkv(self.qkv_proj(x), ctx)
-
-    def attend_qkv(self, qkv: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        """Attention from an already projected qkv (a decoder layer fuses the projection with its norm)."""
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
-        q = ctx.backend.qkv_to_cache(self.layer, qkv, self.heads, qk_norm, ctx.cache, ctx.batch, ctx.meta)
+        q = ctx.backend.qkv_to_cache(self.layer, self.qkv_proj(x), self.heads, qk_norm, ctx.cache, ctx.batch, ctx.meta)
         return self.o_proj(ctx.backend.attend(self.layer, q, ctx.cache, ctx.batch, ctx.meta))
 
 
@@ -100,10 +96,7 @@ class MLP(nn.Module):
         self.register_state_dict_post_hook(_split_state_hook)
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x), backend)
-
-    def down(self, gate_up: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return self.down_proj(backend.silu_mul(gate_up))
+        return self.down_proj(backend.silu_mul(self.gate_up_proj(x)))
 
 
 @dataclass(frozen=True)
@@ -129,11 +122,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual): the stream entering this layer is x + residual; returns the same pair after it."""
         norm1, norm2, backend = self.input_layernorm, self.post_attention_layernorm, ctx.backend
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = backend.norm_linear(x, residual, norm1.weight, norm1.eps, attn.qkv_proj)
-        attended = attn.attend_qkv(qkv, ctx)
-        gate_up, residual = backend.norm_linear(attended, residual, norm2.weight, norm2.eps, mlp.gate_up_proj)
-        return mlp.down(gate_up, backend), residual
+        h, residual = backend.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h, residual = backend.add_rms_norm(self.self_attn(h, ctx), residual, norm2.weight, norm2.eps)
+        return self.mlp(h, backend), residual
 
 
 class Transformer(nn.Module):

@@ -2,12 +2,11 @@
 widened to the elementwise steps around attention).
 
 A model calls its backend for the steps that are memory-bound and would otherwise be many small
-kernels per layer: RMSNorm (fused with the residual add, and with the matmul that reads its output),
-SiLU·mul, and the q/k norm + RoPE + KV write that turns a fused qkv projection into a query, plus paged
-attention itself. Other matmuls stay plain `nn.Linear`. `TorchBackend` is the reference: plain torch,
-any device, the CPU oracle; the Triton backend (`hsmc.ops.triton_backend`) must match it. `prepare` runs
-once per forward and, like everything here, only enqueues device work, so a whole forward can be
-captured in a CUDA graph.
+kernels per layer: RMSNorm (fused with the residual add), SiLU·mul, and the q/k norm + RoPE + KV
+write that turns a fused qkv projection into a query, plus paged attention itself. Matmuls stay
+plain `nn.Linear`. `TorchBackend` is the reference: plain torch, any device, the CPU oracle; the
+Triton backend (`hsmc.ops.triton_backend`) must match it. `prepare` runs once per forward and,
+like everything here, only enqueues device work, so a whole forward can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.kv_cache import KVCache
@@ -57,12 +55,6 @@ class Backend(Protocol):
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual); a None residual means x is the stream itself."""
-        ...
-
-    def norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, linear: nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(rms_norm(x + residual)), x + residual): a norm and the matmul that reads its output."""
         ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -144,12 +136,6 @@ class TorchBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stream = x if residual is None else x + residual
         return rms_norm_reference(stream, weight, eps), stream
-
-    def norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, linear: nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, stream = self.add_rms_norm(x, residual, norm_weight, eps)
-        return linear(h), stream
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from hsmc.ops import fused
 from hsmc.ops.backend import HeadLayout, Rope
@@ -43,16 +42,6 @@ class TritonBackend:
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return fused.add_rms_norm(x, residual, weight, eps)
-
-    def norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, linear: nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to 16 rows (decode): one kernel that normalizes in its prologue and streams the weight once;
-        more rows (verify, prefill): the norm kernel, then cuBLAS."""
-        if x.numel() // x.shape[-1] <= 16:
-            return fused.norm_linear(x, residual, norm_weight, eps, linear.weight, linear.bias, self.sm_count)
-        h, stream = fused.add_rms_norm(x, residual, norm_weight, eps)
-        return linear(h), stream
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return fused.silu_mul(gate_up)
