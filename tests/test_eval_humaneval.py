@@ -101,8 +101,9 @@ def test_samples_file_is_scored_without_a_model(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["eval", "humaneval", "--samples", str(samples), "--limit", "3", "--out", str(out), "--json"]
     assert main(argv) == 0
-    summary = json.loads(capsys.readouterr().out.split("\n", 1)[1])  # after the "sandbox: ..." line
-    assert summary["sandbox"].startswith(Sandbox().isolation)
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["sandbox"].startswith(Sandbox().isolation) and f"sandbox: {summary['sandbox']}" in captured.err
     (config,) = summary["configs"]
     assert (config["n"], config["correct"]) == (4, 3)
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()[1:]]

@@ -186,3 +186,20 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         f"hsmc: error: --data: no such file {tmp_path / 'none.jsonl'}",
         f"hsmc: error: {bad}: line 1 lacks a 'question' or 'answer' field",
     ]
+
+
+def test_humaneval_with_a_model_generates_completions_and_runs_them(tiny_pair, tmp_path, capsys):
+    """The plumbing of a model run: completion prompts without chat template, stop strings, sandboxed scoring
+    (a tiny random model writes no working code, so every problem fails with a reason)."""
+    target, _ = tiny_pair
+    config = write_config(tmp_path / "t.yaml", [{"kind": "model", "model": str(target)}])
+    out = tmp_path / "out"
+    argv = ["eval", "humaneval", "--config", config, "--limit", "2", "--out", str(out), "--json"]
+    assert main([*argv, "task.prompt_style=completion", "task.max_new_tokens=3"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["configs"][0]["n"], summary["configs"][0]["correct"]) == (2, 0)
+    records = [json.loads(line) for line in (out / "t.jsonl").read_text().splitlines()]
+    assert records[0]["meta"]["settings"]["prompt_style"] == "completion"
+    assert [r["id"] for r in records[1:]] == ["HumanEval/0", "HumanEval/1"]
+    assert all(r["tokens"] <= 3 and r["detail"]["reason"] for r in records[1:])
+    assert records[1]["extracted"] == records[1]["output"]  # a base model's text is the function body

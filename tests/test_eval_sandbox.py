@@ -7,6 +7,7 @@ with filesystem isolation that works on this machine (namespaces, landlock)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -293,3 +294,44 @@ def test_temporary_directories_are_removed():
     assert outcome.passed
     leftover = {d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith("hsmc-sandbox-")}
     assert leftover == set()
+
+
+def _unprivileged_python() -> str | None:
+    """A system python >= 3.10 an unprivileged user can run (a venv under /root usually is not)."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or python is None:
+        return None
+    probe_run = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c"]
+    ok = subprocess.run([*probe_run, "import sys; assert sys.version_info >= (3, 10)"], capture_output=True)
+    return python if ok.returncode == 0 else None
+
+
+@pytest.mark.skipif(_unprivileged_python() is None, reason="needs root, setpriv and a system python >= 3.10")
+@pytest.mark.parametrize("mode", ["namespaces", "landlock"])
+def test_an_unprivileged_user_gets_the_same_isolation(mode):
+    """Non-root users take the user-namespace path of the jail. As uid 65534 (nobody): a directory nobody
+    owns is deletable by it outside the sandbox (the control), and survives the same attack inside."""
+    python = _unprivileged_python()
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    target, control, work = (tempfile.mkdtemp(prefix="hsmc-test-") for _ in range(3))
+    try:
+        for d in (target, control, work):
+            os.chown(d, 65534, 65534)
+        attack = "import shutil\nshutil.rmtree({!r})\n"
+        subprocess.run([*as_nobody, python, "-c", attack.format(control)], check=True)
+        assert not os.path.exists(control)
+        program = attack.format(target) + "def f(x):\n    return 4\n"
+        job = {**vars(Program("", program, CHECK, "f")), "isolation": mode, "limits": vars(LIMITS)}
+        job_path = os.path.join(work, "job.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        os.chown(job_path, 65534, 65534)
+        jail = [python, "-I", "-S", str(sandbox_module.JAIL), job_path]
+        done = subprocess.run([*as_nobody, *jail], input=b"n0nce\n", capture_output=True, cwd=work, timeout=60)
+        status = done.stderr.decode().strip().splitlines()[-1]
+        assert done.stdout == b"" and '"status": "failed"' in status  # no nonce: the attack failed
+        assert "Read-only file system" in status or "Permission denied" in status
+        assert os.path.isdir(target)
+    finally:
+        for d in (target, control, work):
+            shutil.rmtree(d, ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def run_eval(args: argparse.Namespace) -> None:
         settings = load_settings(HumanEvalSettings, args, task_overrides)
         sandbox = Sandbox(settings.limits(), isolation=args.isolation, workers=args.workers)
         extra["sandbox"] = sandbox.describe()
-        print(f"sandbox: {extra['sandbox']}", flush=True)
+        print(f"sandbox: {extra['sandbox']}", file=sys.stderr, flush=True)
         task = HumanEvalTask(settings, sandbox, args.data, args.limit)
     labels = _unique_labels(samples or args.config)
     if samples:
