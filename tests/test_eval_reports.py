@@ -43,8 +43,8 @@ def _records(correct: list[bool], tokens: int = 10, chunk_seconds: float = 2.0) 
         {"kind": "smc", "model": "t", "share_of_time": 0.4, "mean_ess_fraction": 0.5, "resample_rate": 0.25},
     ]
     return [
-        {"id": f"q{i}", "correct": c, "tokens": tokens, "chunk": i // 2, "chunk_seconds": chunk_seconds,
-         "levels": levels}
+        {"id": f"q{i}", "correct": c, "extracted": str(int(c)), "tokens": tokens, "chunk": i // 2,
+         "chunk_seconds": chunk_seconds, "levels": levels}
         for i, c in enumerate(correct)
     ]  # fmt: skip
 
@@ -61,8 +61,9 @@ def test_summary_and_paired_comparison_table():
     assert (base.mean_accepted_length, base.ess_fraction, base.resample_rate) == (2.0, 0.5, 0.25)
     assert (fast.only_first, fast.only_this, fast.difference) == (2, 0, pytest.approx(-2 / 6))
     assert fast.p_value == pytest.approx(0.5) and fast.within_noise
+    assert fast.same_answers == pytest.approx(4 / 6) and base.same_answers is None
     table = format_table(summaries)
-    assert "| fast | 6 | 0.167 (1/6) |" in table
+    assert "| fast | 6 | 0.167 (1/6) |" in table and table.splitlines()[3].endswith("| 67% |")
     assert (
         "fast vs base: -0.333 (0 items right only here, 2 only in base); exact McNemar p = 0.5: within noise" in table
     )

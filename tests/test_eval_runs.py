@@ -93,6 +93,7 @@ def test_lossless_level_gives_identical_answers(tiny_pair, short_gsm8k, tmp_path
     summaries = [summarize("alone", alone, a), summarize("stacked", stacked, b)]
     compare(summaries, [a, b])
     assert summaries[1].difference == 0 and summaries[1].p_value == 1.0 and summaries[1].within_noise
+    assert summaries[1].same_answers == 1.0
     assert summaries[1].mean_accepted_length is not None and summaries[0].mean_accepted_length is None
 
 

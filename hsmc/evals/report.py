@@ -32,6 +32,7 @@ class ConfigSummary:
     only_this: int | None = None  # items only this config got right
     p_value: float | None = None  # exact McNemar against the first config
     within_noise: bool | None = None  # p_value >= SIGNIFICANCE
+    same_answers: float | None = None  # share of paired items whose extracted answers equal the first config's
 
 
 def summarize(label: str, config: str, records: list[dict[str, Any]]) -> ConfigSummary:
@@ -75,10 +76,13 @@ def _level_metric(chunks: dict[int, list[dict[str, Any]]], kind: str, key: str) 
 
 def compare(summaries: list[ConfigSummary], records: list[list[dict[str, Any]]]) -> None:
     """Fill in each later config's paired comparison to the first (items matched by id)."""
-    first = {r["id"]: bool(r["correct"]) for r in records[0]}
+    first = {r["id"]: r for r in records[0]}
     for summary, rs in zip(summaries[1:], records[1:]):
-        paired = [(first[r["id"]], bool(r["correct"])) for r in rs if r["id"] in first]
-        test = mcnemar_exact([a for a, _ in paired], [b for _, b in paired])
+        paired = [(first[r["id"]], r) for r in rs if r["id"] in first]
+        test = mcnemar_exact([bool(a["correct"]) for a, _ in paired], [bool(b["correct"]) for _, b in paired])
+        summary.same_answers = (
+            sum(a["extracted"] == b["extracted"] for a, b in paired) / len(paired) if paired else None
+        )
         summary.difference = test.difference
         summary.only_first, summary.only_this = test.only_first, test.only_other
         summary.p_value = test.p_value
@@ -92,14 +96,16 @@ def format_table(summaries: list[ConfigSummary]) -> str:
         return "" if value is None else format(value, fmt)
 
     lines = [
-        "| config | n | accuracy | 95% CI | tok/s | mean accepted | ESS/N | resample rate | Δ vs first | McNemar p |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| config | n | accuracy | 95% CI | tok/s | mean accepted | ESS/N | resample rate | Δ vs first | McNemar p "
+        "| same answers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         lines.append(
             f"| {s.label} | {s.n} | {s.accuracy:.3f} ({s.correct}/{s.n}) | [{s.ci_low:.3f}, {s.ci_high:.3f}] "
             f"| {s.tokens_per_s:.1f} | {opt(s.mean_accepted_length, '.2f')} | {opt(s.ess_fraction, '.2f')} "
-            f"| {opt(s.resample_rate, '.2f')} | {opt(s.difference, '+.3f')} | {opt(s.p_value, '.3g')} |"
+            f"| {opt(s.resample_rate, '.2f')} | {opt(s.difference, '+.3f')} | {opt(s.p_value, '.3g')} "
+            f"| {opt(s.same_answers, '.0%')} |"
         )
     first = summaries[0].label
     for s in summaries[1:]:
