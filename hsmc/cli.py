@@ -1,4 +1,5 @@
-"""Command line: `hsmc generate --config X [--prompt P | --prompts-file F] [key=value ...]`."""
+"""Command line: `hsmc generate --config X [--prompt P | --prompts-file F] [key=value ...]`, `hsmc train-eagle`,
+`hsmc eval gsm8k|humaneval`."""
 
 from __future__ import annotations
 
@@ -88,6 +89,45 @@ def _bench(args: argparse.Namespace) -> None:
         plot(rows, Path(args.plot))
 
 
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """`hsmc bench --shape S[,S] | --config X [--batch 1,4,16] ...` (see hsmc/bench.py)."""
+    bench = sub.add_parser("bench", help="decode tok/s vs the bandwidth roofline and transformers (GPU)")
+    bench.add_argument("--shape", help="comma-separated model shapes with random weights, e.g. qwen3-8b,qwen3-32b")
+    bench.add_argument("--config", help="a config whose stack is measured as configured")
+    bench.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
+    bench.add_argument("--prompt-tokens", type=int, default=128)
+    bench.add_argument("--new-tokens", type=int, default=256)
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    bench.add_argument("--no-baseline", action="store_true", help="skip transformers' eager generate")
+    bench.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    bench.add_argument("--plot", help="write a tok/s-vs-batch chart (PNG) here")
+    bench.add_argument("overrides", nargs="*", help="config overrides for --config")
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    """`hsmc eval gsm8k|humaneval --config X [--config Y ...] [options] [key=value ...]` (see hsmc/evals/)."""
+    tasks = sub.add_parser("eval", help="accuracy evals: GSM8K, HumanEval").add_subparsers(
+        dest="task_name", required=True
+    )
+    for name, data in (
+        ("gsm8k", "a jsonl with question/answer or a datasets id"),
+        ("humaneval", "HumanEval.jsonl(.gz)"),
+    ):
+        task = tasks.add_parser(name, help=f"{name} accuracy of one or more configs, compared to the first")
+        task.add_argument("--config", action="append", default=[], help="YAML config; repeat to compare stacks")
+        task.add_argument("--limit", type=int, help="only the first N problems")
+        task.add_argument("--data", help=f"{data} (default: the copy shipped in evals/data, else the hub)")
+        task.add_argument("--task", help=f"task settings YAML (default evals/{name}.yaml)")
+        task.add_argument("--out", help=f"folder for per-sample records and the summary (default runs/eval/{name})")
+        task.add_argument("--json", action="store_true", help="print the summary as JSON")
+        task.add_argument("--plot", action="store_true", help="draw accuracy vs tok/s (needs matplotlib)")
+        if name == "humaneval":
+            task.add_argument("--samples", action="append", help="score completions from a jsonl (task_id, completion)")
+            task.add_argument("--workers", type=int, help="programs run in parallel (default: CPU count)")
+            task.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "landlock", "rlimits"])
+        task.add_argument("overrides", nargs="*", help="config overrides (task.KEY=VALUE for task settings)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hsmc", description="Hierarchical speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,19 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         "--config", required=True, help="YAML with the TrainEagleConfig keys (configs/train_eagle_demo.yaml)"
     )
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. steps=500")
-    bench = sub.add_parser("bench", help="decode tok/s vs the bandwidth roofline and transformers (GPU)")
-    bench.add_argument("--shape", help="comma-separated model shapes with random weights, e.g. qwen3-8b,qwen3-32b")
-    bench.add_argument("--config", help="a config whose stack is measured as configured")
-    bench.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
-    bench.add_argument("--prompt-tokens", type=int, default=128)
-    bench.add_argument("--new-tokens", type=int, default=256)
-    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    bench.add_argument("--no-baseline", action="store_true", help="skip transformers' eager generate")
-    bench.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    bench.add_argument("--plot", help="write a tok/s-vs-batch chart (PNG) here")
-    bench.add_argument("overrides", nargs="*", help="config overrides for --config")
+    _add_bench_parser(sub)
+    _add_eval_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "eval":
+            from hsmc.evals.command import run_eval
+
+            run_eval(args)
+            return 0
         if args.command == "train-eagle":
             from hsmc.training.trainer import load_train_config, train_eagle
 
