@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except HsmcError as e:
-        print(f"hsmc: error: {e}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(e).splitlines())  # a library's text may wrap
+        print(f"hsmc: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print(f"hsmc: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
