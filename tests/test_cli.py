@@ -219,6 +219,20 @@ def test_internal_bugs_keep_their_traceback(tiny, tmp_path, monkeypatch):
         main(["generate", "--config", config, "--prompts-file", _id_prompts(tmp_path, [[3, 4]])])
 
 
+def test_a_multi_line_message_from_a_library_prints_as_one_line(tiny, tmp_path, capsys, monkeypatch):
+    import hsmc.preflight
+    from hsmc.errors import ModelLoadError
+
+    def offline(*args, **kwargs):
+        raise ModelLoadError("model 'x': not cached:\n  Cannot find the requested files\n  in the local cache.")
+
+    monkeypatch.setattr(hsmc.preflight, "check_before_loading", offline)
+    config = _write_config(tmp_path, [{"model": str(tiny)}])
+    assert main(["generate", "--config", config, "--prompts-file", _id_prompts(tmp_path, [[3, 4]])]) == 2
+    line = _one_error_line(capsys)
+    assert line == "hsmc: error: model 'x': not cached: Cannot find the requested files in the local cache."
+
+
 # -- Ctrl-C, exit code 130 ------------------------------------------------------------------------
 
 
