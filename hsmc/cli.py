@@ -1,66 +1,143 @@
-"""Command line: `hsmc generate --config X [--prompt P | --prompts-file F] [key=value ...]`, `hsmc train-eagle`,
-`hsmc eval gsm8k|humaneval`."""
+"""Command line: `hsmc generate`, `hsmc train-eagle`, `hsmc bench`, `hsmc eval`, each registered by one `_add_*`
+function.
+
+`key=value` config overrides may stand anywhere after the subcommand. A user error (an `HsmcError`)
+is one line `hsmc: error: ...` and exit code 2; Ctrl-C is one line `hsmc: interrupted ...` and exit
+code 130, after `generate` has printed the prompts that had finished. Anything else is a bug and
+keeps its traceback. Heavy modules (torch, transformers) are imported only by the subcommand that
+runs, so `hsmc --help` answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from tqdm import tqdm
-
-from hsmc.errors import HsmcError
-
-
-def _read_prompts(args: argparse.Namespace, default: list[str]) -> list[str]:
-    if args.prompt is not None:
-        return [args.prompt]
-    if args.prompts_file is not None:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise HsmcError(f"--prompts-file: no such file {path}")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        if path.suffix == ".jsonl":
-            return [json.loads(line)["prompt"] for line in lines]
-        return lines
-    if not default:
-        raise HsmcError("no prompts: pass --prompt, --prompts-file, or set `prompts` in the config")
-    return default
+from hsmc import __version__
+from hsmc.errors import HsmcError, PromptError
 
 
-def _generate(args: argparse.Namespace) -> None:
-    from hsmc.decoder import HierarchicalDecoder
+class _Parser(argparse.ArgumentParser):
+    """argparse with hsmc's one-line error format."""
 
-    load_start = time.perf_counter()
-    decoder = HierarchicalDecoder.from_config(args.config, args.overrides)
-    load_seconds = time.perf_counter() - load_start
-    prompts = _read_prompts(args, decoder.config.prompts)
-    with tqdm(total=len(prompts), desc="prompts", unit="prompt", disable=len(prompts) < 2, file=sys.stderr) as bar:
-        results = decoder.generate(prompts, on_finish=lambda _: bar.update())
-    for prompt, result in zip(prompts, results):
-        print(f"### {prompt}\n{result.text}\n")
-    total_tokens = sum(r.stats["new_tokens"] for r in results)
-    seconds = max(r.stats["seconds"] for r in results)
-    print(f"{'prompt':>6} {'new tokens':>10} {'finish':>7} {'seconds':>8} {'tok/s':>8}")
-    for i, r in enumerate(results):
-        s = r.stats
-        print(f"{i:>6} {s['new_tokens']:>10} {r.finish_reason:>7} {s['seconds']:>8.2f} {s['tokens_per_s']:>8.1f}")
-    print(f"{'total':>6} {total_tokens:>10} {'':>7} {seconds:>8.2f} {total_tokens / seconds:>8.1f}")
-    print(
-        f"\n{'level':<10} {'model':<28} {'time':>5}  stats"
-        f"   (device {decoder.config.engine.device}, load {load_seconds:.1f}s)"
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"hsmc: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _add_generate(sub: Any) -> None:
+    cmd = sub.add_parser("generate", help="generate text for one or more prompts")
+    cmd.add_argument("--config", required=True, help="YAML config (e.g. configs/demo.yaml)")
+    source = cmd.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="one prompt")
+    source.add_argument(
+        "--prompts-file",
+        help="a text file (one prompt per line) or .jsonl whose lines have a 'prompt' field (text or token ids)",
     )
-    for level in results[0].stats["levels"]:
-        extra = ", ".join(f"{k} {v:.2f}" for k, v in level.items() if k not in ("kind", "model", "share_of_time"))
-        print(f"{level['kind']:<10} {level['model'][-28:]:<28} {level['share_of_time']:>5.0%}  {extra}")
+    cmd.add_argument("overrides", nargs="*", help="config overrides, e.g. generation.max_new_tokens=64")
+    cmd.set_defaults(run=_generate)
 
 
-def _bench(args: argparse.Namespace) -> None:
+def _add_train_eagle(sub: Any) -> None:
+    cmd = sub.add_parser("train-eagle", help="train an EAGLE3 head for a verifier (resumes from checkpoints)")
+    cmd.add_argument("--config", required=True, help="YAML with the TrainEagleConfig keys (train_eagle_demo.yaml)")
+    cmd.add_argument("overrides", nargs="*", help="config overrides, e.g. steps=500")
+    cmd.set_defaults(run=_train_eagle)
+
+
+def _add_bench(sub: Any) -> None:
+    """`hsmc bench --shape S[,S] | --config X [--batch 1,4,16] ...` (see hsmc/bench.py)."""
+    cmd = sub.add_parser("bench", help="decode tok/s vs the bandwidth roofline and transformers (GPU)")
+    cmd.add_argument("--shape", help="comma-separated model shapes with random weights, e.g. qwen3-8b,qwen3-32b")
+    cmd.add_argument("--config", help="a config whose stack is measured as configured")
+    cmd.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
+    cmd.add_argument("--prompt-tokens", type=int, default=128)
+    cmd.add_argument("--new-tokens", type=int, default=256)
+    cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    cmd.add_argument("--no-baseline", action="store_true", help="skip transformers' eager generate")
+    cmd.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    cmd.add_argument("--plot", help="write a tok/s-vs-batch chart (PNG) here")
+    cmd.add_argument("overrides", nargs="*", help="config overrides for --config")
+    cmd.set_defaults(run=_bench)
+
+
+def _add_eval(sub: Any) -> None:
+    """`hsmc eval gsm8k|humaneval --config X [--config Y ...] [options] [key=value ...]` (see hsmc/evals/)."""
+    tasks = sub.add_parser("eval", help="accuracy evals: GSM8K, HumanEval").add_subparsers(
+        dest="task_name", required=True
+    )
+    for name, data in (
+        ("gsm8k", "a jsonl with question/answer or a datasets id"),
+        ("humaneval", "HumanEval.jsonl(.gz)"),
+    ):
+        task = tasks.add_parser(name, help=f"{name} accuracy of one or more configs, compared to the first")
+        task.add_argument("--config", action="append", default=[], help="YAML config; repeat to compare stacks")
+        task.add_argument("--limit", type=int, help="only the first N problems")
+        task.add_argument("--data", help=f"{data} (default: the copy shipped in evals/data, else the hub)")
+        task.add_argument("--task", help=f"task settings YAML (default evals/{name}.yaml)")
+        task.add_argument("--out", help=f"folder for per-sample records and the summary (default runs/eval/{name})")
+        task.add_argument("--json", action="store_true", help="print the summary as JSON")
+        task.add_argument("--plot", action="store_true", help="draw accuracy vs tok/s (needs matplotlib)")
+        if name == "humaneval":
+            task.add_argument("--samples", action="append", help="score completions from a jsonl (task_id, completion)")
+            task.add_argument("--workers", type=int, help="programs run in parallel (default: CPU count)")
+            task.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "landlock", "rlimits"])
+        task.add_argument("overrides", nargs="*", help="config overrides (task.KEY=VALUE for task settings)")
+        task.set_defaults(run=_eval)
+
+
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_generate, _add_train_eagle, _add_bench, _add_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hsmc", description="Hierarchical speculative decoding")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse gives a `*` positional only its first run of values: later overrides arrive here
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} - config overrides are key=value")
+    args.overrides = [*args.overrides, *extra]
+    try:
+        return args.run(args)
+    except HsmcError as e:
+        message = " ".join(line.strip() for line in str(e).splitlines())  # a library's text may wrap
+        print(f"hsmc: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"hsmc: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
+        return 130
+
+
+def _train_eagle(args: argparse.Namespace) -> int:
+    from hsmc.training.trainer import load_train_config, train_eagle
+
+    train_eagle(load_train_config(args.config, args.overrides))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from hsmc.evals.command import run_eval
+
+    run_eval(args)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from hsmc.bench import run_bench, to_json
+    from hsmc.bench import plot, run_bench, to_json
     from hsmc.config import load_config
     from hsmc.models.shapes import SHAPES
 
@@ -84,86 +161,96 @@ def _bench(args: argparse.Namespace) -> None:
     )
     print(to_json(rows) if args.json else table)
     if args.plot:
-        from hsmc.bench import plot
-
         plot(rows, Path(args.plot))
-
-
-def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """`hsmc bench --shape S[,S] | --config X [--batch 1,4,16] ...` (see hsmc/bench.py)."""
-    bench = sub.add_parser("bench", help="decode tok/s vs the bandwidth roofline and transformers (GPU)")
-    bench.add_argument("--shape", help="comma-separated model shapes with random weights, e.g. qwen3-8b,qwen3-32b")
-    bench.add_argument("--config", help="a config whose stack is measured as configured")
-    bench.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
-    bench.add_argument("--prompt-tokens", type=int, default=128)
-    bench.add_argument("--new-tokens", type=int, default=256)
-    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    bench.add_argument("--no-baseline", action="store_true", help="skip transformers' eager generate")
-    bench.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    bench.add_argument("--plot", help="write a tok/s-vs-batch chart (PNG) here")
-    bench.add_argument("overrides", nargs="*", help="config overrides for --config")
-
-
-def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
-    """`hsmc eval gsm8k|humaneval --config X [--config Y ...] [options] [key=value ...]` (see hsmc/evals/)."""
-    tasks = sub.add_parser("eval", help="accuracy evals: GSM8K, HumanEval").add_subparsers(
-        dest="task_name", required=True
-    )
-    for name, data in (
-        ("gsm8k", "a jsonl with question/answer or a datasets id"),
-        ("humaneval", "HumanEval.jsonl(.gz)"),
-    ):
-        task = tasks.add_parser(name, help=f"{name} accuracy of one or more configs, compared to the first")
-        task.add_argument("--config", action="append", default=[], help="YAML config; repeat to compare stacks")
-        task.add_argument("--limit", type=int, help="only the first N problems")
-        task.add_argument("--data", help=f"{data} (default: the copy shipped in evals/data, else the hub)")
-        task.add_argument("--task", help=f"task settings YAML (default evals/{name}.yaml)")
-        task.add_argument("--out", help=f"folder for per-sample records and the summary (default runs/eval/{name})")
-        task.add_argument("--json", action="store_true", help="print the summary as JSON")
-        task.add_argument("--plot", action="store_true", help="draw accuracy vs tok/s (needs matplotlib)")
-        if name == "humaneval":
-            task.add_argument("--samples", action="append", help="score completions from a jsonl (task_id, completion)")
-            task.add_argument("--workers", type=int, help="programs run in parallel (default: CPU count)")
-            task.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "landlock", "rlimits"])
-        task.add_argument("overrides", nargs="*", help="config overrides (task.KEY=VALUE for task settings)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hsmc", description="Hierarchical speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    gen.add_argument("--config", required=True, help="YAML config (e.g. configs/demo.yaml)")
-    source = gen.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help="one prompt")
-    source.add_argument("--prompts-file", help="a text file (one prompt per line) or .jsonl with a 'prompt' field")
-    gen.add_argument("overrides", nargs="*", help="config overrides, e.g. generation.max_new_tokens=64")
-    train = sub.add_parser("train-eagle", help="train an EAGLE3 head for a verifier (resumes from checkpoints)")
-    train.add_argument(
-        "--config", required=True, help="YAML with the TrainEagleConfig keys (configs/train_eagle_demo.yaml)"
-    )
-    train.add_argument("overrides", nargs="*", help="config overrides, e.g. steps=500")
-    _add_bench_parser(sub)
-    _add_eval_parser(sub)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "eval":
-            from hsmc.evals.command import run_eval
-
-            run_eval(args)
-            return 0
-        if args.command == "train-eagle":
-            from hsmc.training.trainer import load_train_config, train_eagle
-
-            train_eagle(load_train_config(args.config, args.overrides))
-            return 0
-        if args.command == "bench":
-            _bench(args)
-            return 0
-        _generate(args)
-    except (HsmcError, ValueError) as e:
-        print(f"hsmc: error: {e}", file=sys.stderr)
-        return 2
     return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hsmc.config import load_config
+    from hsmc.decoder import GenerationInterrupted, HierarchicalDecoder
+    from hsmc.preflight import check_before_loading
+
+    cfg = load_config(args.config, args.overrides)
+    prompts = _read_prompts(args, cfg.prompts)
+    ids = check_before_loading(cfg, prompts)  # everything that can fail before minutes of loading
+    load_start = time.perf_counter()
+    decoder = HierarchicalDecoder(cfg)
+    load_seconds = time.perf_counter() - load_start
+    progress = _Progress(decoder, len(prompts), cfg.generation.max_new_tokens)
+    try:
+        with progress.bar:
+            results = dict(
+                enumerate(decoder.generate(ids, on_finish=progress.on_finish, on_progress=progress.on_progress))
+            )
+    except GenerationInterrupted as e:
+        _print_results(prompts, e.results, decoder, load_seconds)
+        raise KeyboardInterrupt(f"{e}; their completions and stats are printed above") from None
+    _print_results(prompts, results, decoder, load_seconds)
+    return 0
+
+
+def _read_prompts(args: argparse.Namespace, default: list[str]) -> list[Any]:
+    from hsmc.prompts import read_prompts_file
+
+    if args.prompt is not None:
+        return [args.prompt]
+    if args.prompts_file is not None:
+        return read_prompts_file(args.prompts_file)
+    if not default:
+        raise PromptError("no prompts: pass --prompt, --prompts-file, or set `prompts` in the config")
+    return list(default)
+
+
+class _Progress:
+    """Progress on stderr: for one prompt its tokens (tok/s and live level statistics), else finished prompts."""
+
+    _LIVE_STATS = {"mean_accepted_length": "accepted", "mean_ess_fraction": "ess"}
+
+    def __init__(self, decoder: Any, num_prompts: int, max_new_tokens: int) -> None:
+        from tqdm import tqdm
+
+        self.decoder, self.single = decoder, num_prompts == 1
+        total, unit = (max_new_tokens, "tok") if self.single else (num_prompts, "prompt")
+        self.bar = tqdm(total=total, unit=unit, desc="tokens" if self.single else "prompts", file=sys.stderr)
+
+    def on_finish(self, index: int) -> None:
+        if not self.single:
+            self.bar.update()
+
+    def on_progress(self, generated: int) -> None:
+        if not self.single or generated <= self.bar.n:
+            return
+        live = {
+            f"{self._LIVE_STATS[key]}{i}": f"{value:.2f}"
+            for i, level in enumerate(self.decoder.stack.levels)
+            for key, value in level.stats().items()
+            if key in self._LIVE_STATS
+        }
+        self.bar.set_postfix(live, refresh=False)
+        self.bar.update(generated - self.bar.n)
+
+
+def _print_results(prompts: list[Any], results: dict[int, Any], decoder: Any, load_seconds: float) -> None:
+    """Completions, then a stats row per prompt and per level (README: "Reading the stats")."""
+    if not results:
+        return
+    for i, r in sorted(results.items()):
+        completion = r.text if decoder.tokenizer is not None else f"token ids: {r.token_ids}"
+        print(f"### {prompts[i]}\n{completion}\n")
+    total_tokens = sum(r.stats["new_tokens"] for r in results.values())
+    seconds = max(r.stats["seconds"] for r in results.values())
+    print(f"{'prompt':>6} {'new tokens':>10} {'finish':>7} {'seconds':>8} {'tok/s':>8}")
+    for i, r in sorted(results.items()):
+        s = r.stats
+        print(f"{i:>6} {s['new_tokens']:>10} {r.finish_reason:>7} {s['seconds']:>8.2f} {s['tokens_per_s']:>8.1f}")
+    print(f"{'total':>6} {total_tokens:>10} {'':>7} {seconds:>8.2f} {total_tokens / seconds:>8.1f}")
+    print(
+        f"\n{'level':<10} {'model':<28} {'time':>5}  stats"
+        f"   (device {decoder.config.engine.device}, load {load_seconds:.1f}s)"
+    )
+    for level in next(iter(results.values())).stats["levels"]:
+        extra = ", ".join(f"{k} {v:.2f}" for k, v in level.items() if k not in ("kind", "model", "share_of_time"))
+        print(f"{level['kind']:<10} {level['model'][-28:]:<28} {level['share_of_time']:>5.0%}  {extra}")
 
 
 if __name__ == "__main__":

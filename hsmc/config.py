@@ -1,13 +1,13 @@
 """Typed run configuration: omegaconf structured config from YAML plus `key=value` overrides.
 
 omegaconf checks types and unknown keys against the dataclasses below (its messages name the
-full key); `validate` adds the cross-field rules. Every error becomes a `ConfigError` that
-names the file and the offending key.
+full key); `validate` adds the cross-field rules. Every error becomes a one-line `ConfigError`
+that names where the value came from (the file or the override) and the offending key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -74,93 +74,174 @@ class HsmcConfig:
     prompts: list[str] = field(default_factory=list)  # used when none are given on the command line
 
 
+def level_label(i: int, level: LevelConfig) -> str:
+    """How messages name a level: `levels[1] (rejection)`."""
+    return f"levels[{i}] ({level.kind})"
+
+
 def load_config(source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HsmcConfig:
     """Merge the schema defaults, a YAML file (or mapping) and dotlist overrides, then validate."""
     cfg = load_structured(HsmcConfig, source, overrides)
-    validate(cfg, str(source) if isinstance(source, (str, Path)) else "config")
+    validate(cfg, _source_name(source), overrides)
     return cfg
 
 
 def load_structured(schema: type[T], source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> T:
-    """An instance of the dataclass `schema` from YAML (or a mapping) plus `key=value` overrides."""
-    where = str(source) if isinstance(source, (str, Path)) else "config"
+    """An instance of the dataclass `schema` from YAML (or a mapping) plus `key=value` overrides.
+
+    An error names where it comes from: the YAML file (with line and column for a syntax error) or
+    the override, and the full key; omegaconf's own multi-line details are cut to their first line.
+    """
+    where = _source_name(source)
     try:
-        if isinstance(source, (str, Path)):
-            if not Path(source).is_file():
-                raise ConfigError(f"config file not found: {source}")
-            data = OmegaConf.load(source)
-        else:
-            data = OmegaConf.create(source)
-        merged = OmegaConf.merge(OmegaConf.structured(schema), data)
-        for item in overrides:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise ConfigError(f"override {item!r} is not of the form key=value")
+        merged = OmegaConf.merge(OmegaConf.structured(schema), _read_source(source))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {_one_line(e)}") from None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        _check_list_indices(merged, key, item)
+        try:
             OmegaConf.update(merged, key, yaml.safe_load(value), merge=True)  # `levels.0.x` indexes lists
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {item!r}: {_one_line(e)}") from None
+    try:
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{where}: {e}".strip()) from None
+        raise ConfigError(f"{where}: {_one_line(e)}") from None
 
 
-def validate(cfg: HsmcConfig, where: str = "config") -> None:
+def _source_name(source: str | Path | DictConfig | dict) -> str:
+    return str(source) if isinstance(source, (str, Path)) else "config"
+
+
+def _read_source(source: str | Path | DictConfig | dict) -> DictConfig:
+    if not isinstance(source, (str, Path)):
+        return OmegaConf.create(source)
+    if not Path(source).is_file():
+        raise ConfigError(f"config file not found: {source}")
+    try:
+        data = OmegaConf.load(source)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{source}: YAML syntax error{at}: {e.problem or e.context}") from None
+    if not isinstance(data, DictConfig):
+        raise ConfigError(f"{source}: expected a mapping of config keys, found a {type(data).__name__}")
+    return data
+
+
+def _one_line(e: OmegaConfBaseException) -> str:
+    """omegaconf's message without its `full_key:` / `reference_type=` detail lines, prefixed by the full key."""
+    first = str(e).splitlines()[0].strip() if str(e) else type(e).__name__
+    key = getattr(e, "full_key", None)
+    return f"{key}: {first}" if key else first
+
+
+def _check_list_indices(cfg: DictConfig, key: str, item: str) -> None:
+    """An override that indexes a list must name an existing entry (omegaconf's own error for
+    `levels.5.model=x` on a 3-level config is about dataclass types)."""
+    node: object = cfg
+    path: list[str] = []
+    for part in key.split("."):
+        if OmegaConf.is_list(node):
+            prefix = ".".join(path)
+            if not part.isdigit():
+                raise ConfigError(f"override {item!r}: {prefix} is a list, so {part!r} must be an index (0, 1, ...)")
+            if int(part) >= len(node):
+                have = f"indices 0..{len(node) - 1}" if len(node) else "none"
+                raise ConfigError(
+                    f"override {item!r}: index {part} is out of range: the config has {len(node)} {prefix} ({have})"
+                )
+            node = node[int(part)]
+        elif OmegaConf.is_dict(node) and part in node:
+            node = node[part]
+        else:
+            return  # an unknown key: omegaconf's error names it
+        path.append(part)
+
+
+def validate(cfg: HsmcConfig, where: str = "config", overrides: Sequence[str] = ()) -> None:
+    """Raise a ConfigError for the first cross-field rule `cfg` breaks.
+
+    The message starts with where the offending key was set: the override that set it (or a key
+    containing it), else `where` (the YAML file).
+    """
+    for key, problem in _problems(cfg):
+        raise ConfigError(f"{_origin(key, where, overrides)}: {key}{problem}")
+
+
+def _origin(key: str, where: str, overrides: Sequence[str]) -> str:
+    parts = key.replace("[", ".").replace("]", "").split(".")
+    for item in reversed(overrides):  # the last override of a key wins
+        set_parts = item.partition("=")[0].split(".")
+        n = min(len(parts), len(set_parts))
+        if parts[:n] == set_parts[:n]:
+            return f"override {item!r}"
+    return where
+
+
+def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
+    """(key, what is wrong with it) for every broken rule, in the order a reader checks them."""
     if not cfg.levels:
-        raise ConfigError(f"{where}: levels: at least one level is required")
+        yield "levels", ": at least one level is required"
     for i, level in enumerate(cfg.levels):
-        key = f"{where}: levels[{i}]"
+        key = f"levels[{i}]"
         if level.kind not in LEVEL_KINDS:
-            raise ConfigError(f"{key}.kind={level.kind!r} is not one of {', '.join(LEVEL_KINDS)}")
+            yield f"{key}.kind", f"={level.kind!r} is not one of {', '.join(LEVEL_KINDS)}"
         if level.dtype not in DTYPE_NAMES:
-            raise ConfigError(f"{key}.dtype={level.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+            yield f"{key}.dtype", f"={level.dtype!r} is not one of {', '.join(DTYPE_NAMES)}"
         if level.temperature < 0:
-            raise ConfigError(f"{key}.temperature must be >= 0, got {level.temperature}")
+            yield f"{key}.temperature", f" must be >= 0, got {level.temperature}"
         if level.num_layers is not None and level.num_layers <= 0:
-            raise ConfigError(f"{key}.num_layers must be positive, got {level.num_layers}")
+            yield f"{key}.num_layers", f" must be positive, got {level.num_layers}"
         if i == 0 and level.kind not in ("model", "eagle3"):
-            raise ConfigError(f"{key}.kind={level.kind!r}: the bottom level must be 'model' or 'eagle3'")
+            yield f"{key}.kind", f"={level.kind!r}: the bottom level must be 'model' or 'eagle3'"
         if level.kind == "eagle3" and (i != 0 or len(cfg.levels) < 2 or cfg.levels[1].kind != "rejection"):
-            raise ConfigError(f"{key}.kind='eagle3' drafts at the bottom, directly under a rejection level")
+            yield f"{key}.kind", "='eagle3' drafts at the bottom, directly under a rejection level"
         if level.kind == "smc" and i != len(cfg.levels) - 1:
-            raise ConfigError(f"{key}.kind='smc' must be the top level")
+            yield f"{key}.kind", "='smc' must be the top level"
         if level.kind == "rejection":
             if level.num_draft_tokens <= 0:
-                raise ConfigError(f"{key}.num_draft_tokens must be positive, got {level.num_draft_tokens}")
+                yield f"{key}.num_draft_tokens", f" must be positive, got {level.num_draft_tokens}"
             if cfg.levels[i - 1].kind not in ("model", "eagle3"):
-                raise ConfigError(f"{key}: a rejection level drafts from a 'model' or 'eagle3' level directly below it")
+                yield key, ": a rejection level drafts from a 'model' or 'eagle3' level directly below it"
         if level.kind == "smc":
-            _validate_smc(level, cfg.levels[i - 1], key)
+            yield from _smc_problems(level, cfg.levels[i - 1], i)
     engine = cfg.engine
     if engine.attention not in (None, *ATTENTION_BACKENDS):
-        raise ConfigError(
-            f"{where}: engine.attention={engine.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
-        )
+        yield "engine.attention", f"={engine.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
     if engine.resolved_cuda_graphs and not engine.device.startswith("cuda"):
-        raise ConfigError(f"{where}: engine.cuda_graphs=true needs engine.device=cuda, not {engine.device!r}")
+        yield "engine.cuda_graphs", f"=true needs engine.device=cuda, not {engine.device!r}"
     for key, value in (
         ("generation.max_new_tokens", cfg.generation.max_new_tokens),
         ("engine.max_batch_rows", cfg.engine.max_batch_rows),
         ("engine.kv_capacity_tokens", cfg.engine.kv_capacity_tokens),
     ):
         if value <= 0:
-            raise ConfigError(f"{where}: {key} must be positive, got {value}")
+            yield key, f" must be positive, got {value}"
 
 
-def _validate_smc(level: LevelConfig, below: LevelConfig, key: str) -> None:
+def _smc_problems(level: LevelConfig, below: LevelConfig, i: int) -> Iterator[tuple[str, str]]:
+    key = f"levels[{i}]"
     if level.particles <= 0:
-        raise ConfigError(f"{key}.particles must be positive, got {level.particles}")
+        yield f"{key}.particles", f" must be positive, got {level.particles}"
     if level.block_size < 0:
-        raise ConfigError(f"{key}.block_size must be >= 0, got {level.block_size}")
+        yield f"{key}.block_size", f" must be >= 0, got {level.block_size}"
     if level.alpha <= 0:
-        raise ConfigError(f"{key}.alpha must be positive, got {level.alpha}")
+        yield f"{key}.alpha", f" must be positive, got {level.alpha}"
     if level.temperature <= 0:
-        raise ConfigError(f"{key}.temperature must be positive for smc (weights need p_T), got {level.temperature}")
+        yield f"{key}.temperature", f" must be positive for smc (weights need p_T), got {level.temperature}"
     if not 0 <= level.ess_threshold <= 1:
-        raise ConfigError(f"{key}.ess_threshold must lie in [0, 1], got {level.ess_threshold}")
+        yield f"{key}.ess_threshold", f" must lie in [0, 1], got {level.ess_threshold}"
     if level.resampling not in ("systematic", "multinomial"):
-        raise ConfigError(f"{key}.resampling={level.resampling!r} is not one of systematic, multinomial")
+        yield f"{key}.resampling", f"={level.resampling!r} is not one of systematic, multinomial"
     if level.selection not in ("sample", "argmax"):
-        raise ConfigError(f"{key}.selection={level.selection!r} is not one of sample, argmax")
+        yield f"{key}.selection", f"={level.selection!r} is not one of sample, argmax"
     if level.block_size > 0 and below.temperature <= 0:
-        raise ConfigError(
-            f"{key}: the proposal below an smc level must sample at temperature > 0 "
-            f"(importance weights need q), but it has temperature {below.temperature}"
+        yield (
+            f"levels[{i - 1}].temperature",
+            f"={below.temperature}: the proposal below an smc level must sample at temperature > 0 "
+            f"(importance weights need q; or set levels[{i}].block_size=0)",
         )

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from hsmc.config import GenerationConfig, HsmcConfig, load_config, validate
+from hsmc.config import GenerationConfig, HsmcConfig, level_label, load_config, validate
 from hsmc.engine.host_io import PendingRead, upload
 from hsmc.engine.scheduler import plan_waves
-from hsmc.errors import ConfigError
+from hsmc.errors import ConfigError, ModelLoadError
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
-from hsmc.models.tokenizer import encode_prompt
+from hsmc.preflight import check_stop_strings, min_prompt_tokens, prompt_token_ids
 from hsmc.stopping import StopCriteria
 
 
@@ -40,12 +40,24 @@ class Result:
     stats: dict[str, Any]  # new_tokens, seconds (generate() start to its last token), tokens_per_s, levels
 
 
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `generate`: `results` maps the index of each prompt that had finished to its
+    Result, so a caller can keep that work; `total` is how many prompts were asked for."""
+
+    def __init__(self, results: dict[int, Result], total: int) -> None:
+        super().__init__(f"{len(results)} of {total} prompts finished")
+        self.results, self.total = results, total
+
+
 class HierarchicalDecoder:
     def __init__(self, config: HsmcConfig, models: dict[str, LoadedModel] | None = None) -> None:
         """`models` supplies already-built models by the `model` string a level names (e.g. random weights
         of a real shape for `hsmc bench`); every other level loads its model as usual."""
         self.config = config
-        self.stack = build_stack(config, models or {})
+        try:
+            self.stack = build_stack(config, models or {})
+        except ModelLoadError as e:
+            raise type(e)(f"{self._levels_using(e.source)}: {e}", e.source) from None
         self.tokenizer = self.stack.tokenizer
 
     @classmethod
@@ -57,17 +69,20 @@ class HierarchicalDecoder:
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         on_finish: Callable[[int], None] | None = None,
+        on_progress: Callable[[int], None] | None = None,
         **generation_overrides: Any,
     ) -> list[Result]:
-        """Complete `prompts` (texts, chat-templated if configured, or token-id lists used as is)."""
+        """Complete `prompts` (texts, chat-templated if configured, or token-id lists used as is).
+
+        `on_finish(i)` runs when prompt i is done; `on_progress(n)` whenever a row has n generated
+        tokens (a progress signal for a single prompt). Ctrl-C raises `GenerationInterrupted`
+        carrying the prompts that had finished.
+        """
         gen = self._generation_config(generation_overrides)
-        ids = [encode_prompt(self.tokenizer, p, gen.chat_template) for p in prompts]
-        if not ids or any(len(i) == 0 for i in ids):
-            raise ValueError("every prompt needs at least one token")
-        if gen.stop and self.tokenizer is None:
-            raise ConfigError("generation.stop needs a tokenizer, and this model folder ships none")
+        ids = prompt_token_ids(self.tokenizer, prompts, gen.chat_template, min_prompt_tokens(self.config))
+        check_stop_strings(gen, self.tokenizer)
         eos = frozenset() if gen.ignore_eos else frozenset(self.stack.eos_token_ids)
-        stop = StopCriteria(eos, tuple(gen.stop), self.tokenizer)
+        stop = StopCriteria(eos, tuple(gen.stop), self.tokenizer, on_check=on_progress)
         self.stack.generator.manual_seed(gen.seed)
         for level in self.stack.levels:
             level.reset_stats()
@@ -82,24 +97,38 @@ class HierarchicalDecoder:
         )
         finished_at: dict[int, float] = {}
         start = time.perf_counter()
-        completions: list[Completion] = []
-        for wave in waves:
+        completions: dict[int, Completion] = {}
+        try:
+            for wave in waves:
 
-            def finished(j: int, wave: list[int] = wave) -> None:
-                finished_at[wave[j]] = time.perf_counter() - start
-                if on_finish:
-                    on_finish(wave[j])
+                def finished(j: int, completion: Completion | None = None, wave: list[int] = wave) -> None:
+                    """Prompt wave[j] is done; a streaming top hands its completion over at once, so
+                    Ctrl-C keeps it (an smc top picks its particles when the whole wave is done)."""
+                    finished_at[wave[j]] = time.perf_counter() - start
+                    if completion is not None:
+                        completions[wave[j]] = completion
+                    if on_finish:
+                        on_finish(wave[j])
 
-            wave_ids = [ids[i] for i in wave]
-            if self.stack.is_smc:
-                groups = self.stack.top.run(wave_ids, gen.max_new_tokens, stop, finished)
-                completions += [Completion(g.token_ids, g.finish_reason) for g in groups]
-            else:
-                completions += self._stream_wave(wave_ids, gen.max_new_tokens, stop, finished)
-        total = time.perf_counter() - start
-        level_stats = self._level_stats(total)
-        results = []
-        for i, c in enumerate(completions):
+                wave_ids = [ids[i] for i in wave]
+                if self.stack.is_smc:
+                    groups = self.stack.top.run(wave_ids, gen.max_new_tokens, stop, finished)
+                    done = [Completion(g.token_ids, g.finish_reason) for g in groups]
+                else:
+                    done = self._stream_wave(wave_ids, gen.max_new_tokens, stop, finished)
+                completions.update(zip(wave, done))
+        except KeyboardInterrupt:
+            raise GenerationInterrupted(self._results(completions, finished_at, stop, start), len(ids)) from None
+        results = self._results(completions, finished_at, stop, start)
+        return [results[i] for i in range(len(ids))]
+
+    def _results(
+        self, completions: dict[int, Completion], finished_at: dict[int, float], stop: StopCriteria, start: float
+    ) -> dict[int, Result]:
+        """Results of the finished prompts, by prompt index; level stats cover the time since `start`."""
+        level_stats = self._level_stats(time.perf_counter() - start)
+        results = {}
+        for i, c in completions.items():
             seconds = finished_at[i]
             text = stop.trim(self.tokenizer.decode(c.token_ids, skip_special_tokens=True)) if self.tokenizer else ""
             stats = {
@@ -108,11 +137,15 @@ class HierarchicalDecoder:
                 "tokens_per_s": len(c.token_ids) / seconds,
                 "levels": level_stats,
             }
-            results.append(Result(text=text, token_ids=c.token_ids, finish_reason=c.finish_reason, stats=stats))
+            results[i] = Result(text=text, token_ids=c.token_ids, finish_reason=c.finish_reason, stats=stats)
         return results
 
     def _stream_wave(
-        self, prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria, finished: Callable[[int], None]
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stop: StopCriteria,
+        finished: Callable[[int, Completion], None],
     ) -> list[Completion]:
         """Decode rows from a non-SMC top level: each step runs one round for every unfinished row and hands
         over all the tokens it produced. The host reads a step's tokens (one copy) while the next step
@@ -155,7 +188,7 @@ class HierarchicalDecoder:
         lengths: list[int],
         max_new_tokens: int,
         stop: StopCriteria,
-        finished: Callable[[int], None],
+        finished: Callable[[int, Completion], None],
     ) -> set[int]:
         """Apply one step's tokens (row j of the read belongs to prompt stepped[j]); returns the prompts
         that finished with it."""
@@ -173,9 +206,17 @@ class HierarchicalDecoder:
                 del generated[cut:]
                 completions[i].finish_reason = "stop"
             if cut is not None or len(generated) == max_new_tokens:
-                finished(i)
+                finished(i, completions[i])
                 done.add(i)
         return done
+
+    def _levels_using(self, source: str | None) -> str:
+        """`levels[1] (rejection), levels[2] (smc)`: the levels whose model is `source`. Errors without a
+        source come from the EAGLE3 head loader."""
+        levels = list(enumerate(self.config.levels))
+        using = [(i, lc) for i, lc in levels if lc.model == source]
+        using = using or [(i, lc) for i, lc in levels if lc.kind == "eagle3"] or levels
+        return ", ".join(level_label(i, lc) for i, lc in using)
 
     def _level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
         out = []

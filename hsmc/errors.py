@@ -17,7 +17,14 @@ class ConfigError(HsmcError, ValueError):
 
 
 class ModelLoadError(HsmcError, ValueError):
-    """A model could not be found or read; the message names the source and what is wrong."""
+    """A model could not be found or read; the message names the source and what is wrong.
+
+    `source` is the level's `model` string when known, so the decoder can name the level(s) using it.
+    """
+
+    def __init__(self, message: str, source: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
 
 
 class UnsupportedArchitectureError(ModelLoadError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,9 @@ class StopCriteria:
     token_ids: frozenset[int]
     strings: tuple[str, ...] = ()
     tokenizer: Any | None = None
+    # sees len(generated) at every check: the decode loops check each row's new tokens here, so
+    # this is their progress signal (a single prompt's progress bar)
+    on_check: Callable[[int], None] | None = None
 
     def first_stop(self, generated: list[int], start: int) -> int | None:
         """Smallest length L > start at which generated[:L] has stopped, or None.
@@ -18,6 +22,8 @@ class StopCriteria:
         Stop strings are searched in the decoded tail around each new token (a window long
         enough for the longest string), so a check costs O(new tokens), not O(text).
         """
+        if self.on_check:
+            self.on_check(len(generated))
         window = 4 * max((len(s) for s in self.strings), default=0) + 8
         for length in range(start + 1, len(generated) + 1):
             if generated[length - 1] in self.token_ids:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -80,6 +81,17 @@ def test_weights_that_do_not_fit_the_config(tiny, tmp_path):
     save_file(state, folder / "model.safetensors")
     with pytest.raises(ModelLoadError, match="missing.*q_norm"):
         load_model(str(folder))
+
+
+def test_truncated_weights_name_the_file_and_the_level(tiny, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    levels = [{"model": str(tiny), "temperature": 1.0}, {"kind": "rejection", "model": str(folder)}]
+    message = rf"^levels\[1\] \(rejection\): {re.escape(str(weights))}: not a readable safetensors file \(.*\)$"
+    with pytest.raises(ModelLoadError, match=message):
+        HierarchicalDecoder.from_config({"levels": levels})
 
 
 def test_offline_hub_id_not_cached(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import torch
 from conftest import make_tiny_model
 
 from hsmc.eagle.checkpoint import load_eagle3_head
+from hsmc.errors import ConfigError
 from hsmc.training import trainer
 from hsmc.training.trainer import load_train_config, train_eagle
 from hsmc.training.vocab import build_vocab_mapping
@@ -55,6 +56,15 @@ def test_loss_falls_and_top1_rises(setup):
     assert mean(last, lambda r: r["top1"][0]) > mean(first, lambda r: r["top1"][0]) + 0.1
     head, config = load_eagle3_head(str(head_dir))
     assert config["draft_vocab_size"] == 64 and int(head.t2d.sum()) == 64
+    # 40 steps, a checkpoint every 10: the newest keep_checkpoints=2 stay, next to the exported head
+    assert [step for step, _ in trainer.checkpoints(root / "learn")] == [30, 40]
+    assert head_dir == root / "learn" / "head"
+
+
+def test_keep_checkpoints_must_be_positive(setup):
+    root, verifier, prompts = setup
+    with pytest.raises(ConfigError, match="keep_checkpoints must be positive, got 0"):
+        _config(root, verifier, prompts, "none", keep_checkpoints=0)
 
 
 def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(setup, monkeypatch):
@@ -74,7 +84,7 @@ def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(setup, 
     monkeypatch.setattr(trainer, "ttt_loss", dies_at_step_13)
     with pytest.raises(KeyboardInterrupt):
         train_eagle(cfg)
-    assert trainer.latest_checkpoint(root / "resumed")[0] == 12  # saved on interrupt
+    assert [step for step, _ in trainer.checkpoints(root / "resumed")] == [10, 12]  # 12: saved on interrupt
     monkeypatch.setattr(trainer, "ttt_loss", real)
     resumed = load_eagle3_head(str(train_eagle(cfg)))[0]  # the same command again
     assert [r["step"] for r in _log(root / "resumed")] == list(range(1, 21))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hsmc.config import LevelConfig
 from hsmc.errors import KVCapacityError
 
 
@@ -44,3 +45,12 @@ def plan_waves(
     if current:
         waves.append(current)
     return waves
+
+
+def lookahead_tokens(levels: Sequence[LevelConfig]) -> int:
+    """Drafts not yet verified, SMC blocks not yet weighed, and for a streaming top the one step the
+    decoder runs past a row's end while it reads the previous step (see `HierarchicalDecoder`)."""
+    rejection = sum(c.num_draft_tokens + 1 for c in levels if c.kind == "rejection")
+    top = levels[-1]
+    overlap = {"smc": 0, "rejection": top.num_draft_tokens + 1}.get(top.kind, 1)
+    return rejection + overlap + sum(c.block_size + 1 for c in levels if c.kind == "smc")

@@ -11,6 +11,7 @@ from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.runner import ModelRunner
+from hsmc.engine.scheduler import lookahead_tokens
 from hsmc.errors import ConfigError
 from hsmc.levels.base import Level, SequenceState
 from hsmc.levels.eagle3 import Eagle3Level
@@ -44,9 +45,7 @@ class Stack:
     @property
     def lookahead(self) -> int:
         """Tokens a row may hold past its output before they are rejected or returned."""
-        rejection = sum(c.num_draft_tokens + 1 for c in self.configs if c.kind == "rejection")
-        overlap = 0 if self.is_smc else self.top.step_growth  # a streaming top runs one step past a row's end
-        return rejection + overlap + sum(c.block_size + 1 for c in self.configs if c.kind == "smc")
+        return lookahead_tokens(self.configs)
 
 
 def make_backend(name: str) -> Backend:

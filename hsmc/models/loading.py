@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from hsmc.errors import ModelLoadError
 from hsmc.models.config import DecoderConfig, check_architecture
@@ -43,31 +44,47 @@ def load_model(
     from hsmc.models.tokenizer import load_tokenizer
 
     if dtype not in DTYPES:
-        raise ModelLoadError(f"{source}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if source.endswith(".gguf"):
-        return _load_gguf(Path(source), DTYPES[dtype], device, num_layers)
-    folder = resolve_folder(source)
-    model = _load_folder(folder, DTYPES[dtype], device, source, num_layers)
-    return LoadedModel(model=model, tokenizer=load_tokenizer(folder), source=source)
+        raise ModelLoadError(f"{source}: dtype {dtype!r} is not one of {', '.join(DTYPES)}", source)
+    try:
+        if source.endswith(".gguf"):
+            return _load_gguf(Path(source), DTYPES[dtype], device, num_layers)
+        folder = resolve_folder(source)
+        model = _load_folder(folder, DTYPES[dtype], device, source, num_layers)
+        return LoadedModel(model=model, tokenizer=load_tokenizer(folder), source=source)
+    except ModelLoadError as e:
+        e.source = e.source or source  # lets the caller name the level(s) that use this model
+        raise
 
 
-def resolve_folder(source: str) -> Path:
-    """A local folder for `source`: a demo model's short name, an existing path, or a hub id."""
+def resolve_folder(source: str, weights: bool = True) -> Path:
+    """A local folder for `source`: a demo model's short name, an existing path, or a hub id.
+
+    `weights=False` fetches only a hub model's config and tokenizer files, for checks that must
+    not wait for gigabytes of weights.
+    """
     from hsmc.models.demo import DEMO_MODELS, demo_model_folder
 
     if source in DEMO_MODELS:
         return demo_model_folder(source)
     if Path(source).exists():
         return Path(source)
-    return _download_from_hub(source)
+    return _download_from_hub(source, weights)
 
 
-def _download_from_hub(repo_id: str) -> Path:
+def is_hub_id(source: str) -> bool:
+    """Whether `source` names a hub model (not a demo name, a local path or a .gguf file)."""
+    from hsmc.models.demo import DEMO_MODELS
+
+    return source not in DEMO_MODELS and not Path(source).exists() and not source.endswith(".gguf")
+
+
+def _download_from_hub(repo_id: str, weights: bool) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
+    patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p != "*.safetensors"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except HFValidationError as e:
         raise ModelLoadError(
             f"model {repo_id!r}: no such local folder or .gguf file, and not a valid hub id ({e})"
@@ -88,11 +105,34 @@ def read_hf_config(folder: Path) -> Any:
     path = folder / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{folder}: missing config.json")
-    check_architecture(json.loads(path.read_text()).get("model_type"), str(path))
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    check_architecture(config.get("model_type"), str(path))
     return AutoConfig.from_pretrained(folder)
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def read_decoder_config(folder: Path) -> DecoderConfig:
+    """The architecture in a model folder's config.json (no weights are read)."""
+    return DecoderConfig.from_hf(read_hf_config(folder), source=str(folder / "config.json"))
+
+
+def read_gguf_config(path: Path) -> DecoderConfig:
+    """The architecture in a GGUF file's metadata (no tensors are dequantized)."""
+    from transformers import AutoConfig
+
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{path}: transformers could not read this GGUF file: {e}") from e
+    return DecoderConfig.from_hf(hf_config, source=str(path))
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files: the shards its index lists, or every `*.safetensors`."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -112,25 +152,33 @@ def _load_folder(
 ) -> DecoderLM:
     from safetensors.torch import load_file
 
-    cfg = DecoderConfig.from_hf(read_hf_config(folder), source=str(folder / "config.json"))
+    cfg = read_decoder_config(folder)
     state: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(folder):
-        state.update(load_file(f))
+    for f in safetensors_files(folder):
+        try:
+            state.update(load_file(f))
+        except SafetensorError as e:
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
     return build_model(cfg, state, dtype, device, source, num_layers)
 
 
+def check_safetensors_header(path: Path) -> None:
+    """Read only the header of a weight file: a truncated or corrupt file fails here, naming itself."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt"):
+            pass
+    except SafetensorError as e:
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device, num_layers: int | None) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from hsmc.models.tokenizer import load_tokenizer
 
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    try:
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"{path}: transformers could not read this GGUF file: {e}") from e
-    cfg = DecoderConfig.from_hf(hf_config, source=str(path))
+    cfg = read_gguf_config(path)
     hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     model = build_model(cfg, hf_model.state_dict(), dtype, device, str(path), num_layers)
     return LoadedModel(model=model, tokenizer=load_tokenizer(path.parent, gguf_file=path.name), source=str(path))

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hsmc.errors import PromptError
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -24,7 +26,10 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[int], chat_templ
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer files: pass prompts as lists of token ids")
+        raise PromptError(
+            "this model has no tokenizer files: pass prompts as lists of token ids "
+            '(on the command line, a .jsonl prompts file with lines like {"prompt": [1, 2, 3]})'
+        )
     if chat_template and tokenizer.chat_template:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -27,6 +29,7 @@ from hsmc.errors import ConfigError
 from hsmc.levels.base import padded_prompts
 from hsmc.models.loading import LoadedModel, load_model, read_hf_config, resolve_folder
 from hsmc.ops.backend import TorchBackend
+from hsmc.prompts import Prompt, read_prompts_file
 from hsmc.training.ttt import TTTBatch, ttt_loss
 from hsmc.training.vocab import build_vocab_mapping
 
@@ -52,33 +55,34 @@ class TrainEagleConfig:
     ttt_steps: int = 7
     grad_clip: float = 0.5
     checkpoint_every: int = 50
+    keep_checkpoints: int = 2  # the newest n checkpoint-<step> folders stay; older ones are deleted
     output_dir: str = "runs/eagle3"
     seed: int = 0
     generation_batch: int = 16
 
 
 def load_train_config(source: str | Path | dict, overrides: list[str] | tuple[str, ...] = ()) -> TrainEagleConfig:
+    """The validated config; a missing prompts file fails here, before anything is loaded."""
     cfg = load_structured(TrainEagleConfig, source, overrides)
     if cfg.prompts_file is None and cfg.dataset is None:
         raise ConfigError("train-eagle: set prompts_file (a .jsonl) or dataset")
-    for key in ("num_prompts", "max_new_tokens", "draft_vocab_size", "steps", "batch_size", "checkpoint_every"):
+    if cfg.prompts_file is not None and not Path(cfg.prompts_file).is_file():
+        raise ConfigError(f"train-eagle: prompts_file: no such file {cfg.prompts_file}")
+    positive = ("num_prompts", "max_new_tokens", "draft_vocab_size", "steps", "batch_size", "checkpoint_every")
+    for key in (*positive, "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"train-eagle: {key} must be positive, got {getattr(cfg, key)}")
     return cfg
 
 
-def read_prompts(cfg: TrainEagleConfig) -> list[str]:
+def read_prompts(cfg: TrainEagleConfig) -> list[Prompt]:
     if cfg.prompts_file is not None:
-        path = Path(cfg.prompts_file)
-        if not path.is_file():
-            raise ConfigError(f"train-eagle: prompts_file {path} not found")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    else:
-        try:
-            import datasets
-        except ImportError:
-            raise ConfigError("train-eagle: dataset needs the `datasets` package (pip install 'hsmc[train]')") from None
-        rows = list(datasets.load_dataset(cfg.dataset, data_files=cfg.dataset_files, split=cfg.dataset_split))
+        return read_prompts_file(cfg.prompts_file, cfg.prompt_field, "train-eagle: prompts_file")[: cfg.num_prompts]
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("train-eagle: dataset needs the `datasets` package (pip install 'hsmc[train]')") from None
+    rows = list(datasets.load_dataset(cfg.dataset, data_files=cfg.dataset_files, split=cfg.dataset_split))
     if rows and cfg.prompt_field not in rows[0]:
         raise ConfigError(f"train-eagle: prompts have no field {cfg.prompt_field!r} (fields: {sorted(rows[0])})")
     return [r[cfg.prompt_field] for r in rows[: cfg.num_prompts]]
@@ -160,9 +164,25 @@ class TTTObjective(torch.nn.Module):
         return out.loss, torch.tensor(out.accuracy)
 
 
-def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
+def checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """The `checkpoint-<step>` folders in `out`, oldest first."""
     found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
-    return max(found) if found else None
+    return sorted(found)
+
+
+def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
+    found = checkpoints(out)
+    return found[-1] if found else None
+
+
+def save_checkpoint(accelerator: Any, out: Path, step: int, keep: int) -> Path:
+    """Save the training state as `checkpoint-<step>` and delete all but the newest `keep`."""
+    path = out / f"checkpoint-{step}"
+    accelerator.save_state(str(path), safe_serialization=False)  # the head's fused weights are views of one storage
+    if accelerator.is_main_process:
+        for _, old in checkpoints(out)[:-keep]:
+            shutil.rmtree(old)
+    return path
 
 
 def train_eagle(cfg: TrainEagleConfig) -> Path:
@@ -171,11 +191,16 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
     from transformers import get_cosine_schedule_with_warmup
 
     out = Path(cfg.output_dir)
+    verifier_cfg = read_hf_config(resolve_folder(cfg.verifier)).to_dict()
+    if cfg.draft_vocab_size > verifier_cfg["vocab_size"]:
+        raise ConfigError(
+            f"train-eagle: draft_vocab_size={cfg.draft_vocab_size} exceeds the verifier's vocab_size "
+            f"{verifier_cfg['vocab_size']}"
+        )
     accelerator = Accelerator()
     with accelerator.main_process_first():  # one process generates and caches; the others read the cache
         data = generate_data(cfg, out, accelerator.device)
     verifier = load_model(cfg.verifier, cfg.dtype, accelerator.device)
-    verifier_cfg = read_hf_config(resolve_folder(cfg.verifier)).to_dict()
     d2t, t2d = build_vocab_mapping(data["counts"], cfg.draft_vocab_size)
     head_cfg = new_head_config(verifier_cfg, cfg.draft_vocab_size)
     layers = capture_layers(head_cfg, verifier.model.config.num_layers)
@@ -216,12 +241,10 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
             if accelerator.is_main_process:
                 log.write(json.dumps({"step": step, "loss": loss.item(), "top1": accuracy}) + "\n")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                # torch serialization: the head's fused weights are saved through views of one storage
-                accelerator.save_state(str(out / f"checkpoint-{step}"), safe_serialization=False)
+                save_checkpoint(accelerator, out, step, cfg.keep_checkpoints)
     except KeyboardInterrupt:
-        accelerator.save_state(str(out / f"checkpoint-{step}"), safe_serialization=False)
-        accelerator.print(f"\nhsmc: interrupted; saved checkpoint-{step}; rerun the same command to resume")
-        raise
+        path = save_checkpoint(accelerator, out, step, cfg.keep_checkpoints)
+        raise KeyboardInterrupt(f"saved {path}; rerun the same command to resume") from None
     finally:
         bar.close()
         log.close()

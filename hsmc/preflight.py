@@ -1,0 +1,127 @@
+"""Checks that need no weights, run before a stack loads: a bad model source, prompt or KV budget
+then fails in a second instead of after minutes of loading (a 32B model takes minutes).
+
+Each level's `config.json` is read (for a hub id, without downloading its weights), the headers of
+local weight files are read (a truncated file fails here, named), the prompts are tokenized with
+the tokenizer the stack will use, and the admission waves are planned from the config's sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hsmc.config import GenerationConfig, HsmcConfig, LevelConfig, level_label
+from hsmc.engine.scheduler import lookahead_tokens, plan_waves
+from hsmc.errors import ConfigError, ModelLoadError, PromptError
+from hsmc.models.config import DecoderConfig
+from hsmc.models.loading import (
+    check_safetensors_header,
+    is_hub_id,
+    read_decoder_config,
+    read_gguf_config,
+    resolve_folder,
+    safetensors_files,
+)
+from hsmc.models.tokenizer import encode_prompt, load_tokenizer
+from hsmc.prompts import Prompt
+
+
+def check_before_loading(cfg: HsmcConfig, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Everything about a run of `prompts` that can fail without weights; returns their token ids."""
+    for i, level in enumerate(cfg.levels):
+        try:
+            _check_level(level)
+        except ModelLoadError as e:
+            raise type(e)(f"{level_label(i, level)}: {e}", e.source) from None
+        except ConfigError as e:
+            raise ConfigError(f"{level_label(i, level)}: {e}") from None
+    tokenizer = _stack_tokenizer(cfg)
+    check_stop_strings(cfg.generation, tokenizer)
+    ids = prompt_token_ids(tokenizer, prompts, cfg.generation.chat_template, min_prompt_tokens(cfg))
+    rows, lookahead = rows_and_lookahead(cfg)
+    engine = cfg.engine
+    plan_waves(
+        [len(p) for p in ids],
+        cfg.generation.max_new_tokens,
+        engine.max_batch_rows,
+        engine.kv_capacity_tokens,
+        rows,
+        lookahead,
+    )
+    return ids
+
+
+def rows_and_lookahead(cfg: HsmcConfig) -> tuple[int, int]:
+    """KV rows per prompt and tokens a row may hold past its output, from the config alone (the
+    built stack reports the same through `Stack.rows_per_prompt` and `Stack.lookahead`)."""
+    top = cfg.levels[-1]
+    rows = top.particles if top.kind == "smc" else 1
+    return rows, lookahead_tokens(cfg.levels)
+
+
+def min_prompt_tokens(cfg: HsmcConfig) -> int:
+    """An EAGLE3 drafter's first pair is (feature of token 0, token 1): its prompts need two tokens."""
+    return 2 if cfg.levels[0].kind == "eagle3" else 1
+
+
+def prompt_token_ids(
+    tokenizer: Any | None, prompts: Sequence[Prompt], chat_template: bool, min_tokens: int = 1
+) -> list[list[int]]:
+    """Token ids of every prompt; a prompt that is too short is named by its index."""
+    if not prompts:
+        raise PromptError("no prompts to decode")
+    ids = [encode_prompt(tokenizer, p, chat_template) for p in prompts]
+    for i, (prompt, tokens) in enumerate(zip(prompts, ids)):
+        if len(tokens) < min_tokens:
+            raise PromptError(
+                f"prompt {i} ({prompt!r:.40}) has {len(tokens)} token(s); this stack needs at least {min_tokens}"
+            )
+    return ids
+
+
+def check_stop_strings(generation: GenerationConfig, tokenizer: Any | None) -> None:
+    if generation.stop and tokenizer is None:
+        raise ConfigError("generation.stop needs a tokenizer, and this model folder ships none")
+
+
+def _check_level(level: LevelConfig) -> None:
+    """The level's model exists and is one hsmc can build, and its local weight files are readable."""
+    if level.kind == "eagle3":
+        from hsmc.eagle.checkpoint import read_head_config
+
+        folder = resolve_folder(level.model, weights=False)
+        read_head_config(folder)
+        if not is_hub_id(level.model):
+            for f in sorted(folder.glob("*.safetensors")):
+                check_safetensors_header(f)
+        return
+    model = _decoder_config(level.model)
+    if level.num_layers is not None and level.num_layers > model.num_layers:
+        raise ConfigError(f"num_layers={level.num_layers}, but {level.model} has {model.num_layers} layers")
+
+
+def _decoder_config(source: str) -> DecoderConfig:
+    if source.endswith(".gguf"):
+        return read_gguf_config(Path(source))
+    folder = resolve_folder(source, weights=False)
+    config = read_decoder_config(folder)
+    if not is_hub_id(source):  # a hub model's weights are not fetched yet
+        for f in safetensors_files(folder):
+            check_safetensors_header(f)
+    return config
+
+
+def _stack_tokenizer(cfg: HsmcConfig) -> Any | None:
+    """The tokenizer the built stack uses: the top-most level's model that ships one."""
+    for level in reversed(cfg.levels):
+        if level.kind == "eagle3":
+            continue
+        if level.model.endswith(".gguf"):
+            path = Path(level.model)
+            return load_tokenizer(path.parent, gguf_file=path.name)
+        tokenizer = load_tokenizer(resolve_folder(level.model, weights=False))
+        if tokenizer is not None:
+            return tokenizer
+    return None
