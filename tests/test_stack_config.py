@@ -76,7 +76,7 @@ def test_models_with_different_vocabularies_are_refused(tmp_path):
 def test_layer_truncated_draft_loads_the_first_layers(tmp_path):
     path = make_tiny_model("qwen3", tmp_path / "m")
     decoder = HierarchicalDecoder.from_config(_levels({"model": str(path), "num_layers": 2}))
-    model = decoder.stack.levels[0].state.model
+    model = decoder.stack.levels[0].state.runner.module
     assert model.config.num_layers == 2 and len(model.model.layers) == 2
     with pytest.raises(Exception, match="num_layers=9 but the model has 6 layers"):
         HierarchicalDecoder.from_config(_levels({"model": str(path), "num_layers": 9}))
