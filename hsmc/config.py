@@ -115,17 +115,9 @@ def validate(cfg: HsmcConfig, where: str = "config") -> None:
             raise ConfigError(f"{key}.temperature must be >= 0, got {level.temperature}")
         if level.num_layers is not None and level.num_layers <= 0:
             raise ConfigError(f"{key}.num_layers must be positive, got {level.num_layers}")
-        if i == 0 and level.kind not in ("model", "eagle3"):
-            raise ConfigError(f"{key}.kind={level.kind!r}: the bottom level must be 'model' or 'eagle3'")
-        if level.kind == "eagle3" and (i != 0 or len(cfg.levels) < 2 or cfg.levels[1].kind != "rejection"):
-            raise ConfigError(f"{key}.kind='eagle3' drafts at the bottom, directly under a rejection level")
-        if level.kind == "smc" and i != len(cfg.levels) - 1:
-            raise ConfigError(f"{key}.kind='smc' must be the top level")
-        if level.kind == "rejection":
-            if level.num_draft_tokens <= 0:
-                raise ConfigError(f"{key}.num_draft_tokens must be positive, got {level.num_draft_tokens}")
-            if cfg.levels[i - 1].kind not in ("model", "eagle3"):
-                raise ConfigError(f"{key}: a rejection level drafts from a 'model' or 'eagle3' level directly below it")
+        if level.kind == "rejection" and level.num_draft_tokens <= 0:
+            raise ConfigError(f"{key}.num_draft_tokens must be positive, got {level.num_draft_tokens}")
+        _validate_position(cfg.levels, i, key)
         if level.kind == "smc":
             _validate_smc(level, cfg.levels[i - 1], key)
     engine = cfg.engine
@@ -142,6 +134,27 @@ def validate(cfg: HsmcConfig, where: str = "config") -> None:
     ):
         if value <= 0:
             raise ConfigError(f"{where}: {key} must be positive, got {value}")
+
+
+def _validate_position(levels: list[LevelConfig], i: int, key: str) -> None:
+    """What each kind can sit on, and under: only the combinations that have no sound meaning are refused."""
+    kind = levels[i].kind
+    if i == 0 and kind in ("rejection", "smc"):
+        raise ConfigError(f"{key}.kind={kind!r}: the bottom level must be 'model' or 'eagle3' ({kind} needs proposals)")
+    if i > 0 and kind in ("model", "eagle3"):
+        raise ConfigError(
+            f"{key}.kind={kind!r} drafts at the bottom: it samples on its own and would ignore the levels below it"
+        )
+    if kind == "eagle3" and (len(levels) < 2 or levels[1].kind != "rejection"):
+        raise ConfigError(
+            f"{key}.kind='eagle3' drafts directly under a rejection level: the head reads the features of the "
+            "verifier above it, which a rejection level hands down"
+        )
+    if kind == "smc" and i != len(levels) - 1:
+        raise ConfigError(
+            f"{key}.kind='smc' must be the top level: its output is only approximately p_T^alpha and has no "
+            "tractable probability, so no level can verify or reweight it"
+        )
 
 
 def _validate_smc(level: LevelConfig, below: LevelConfig, key: str) -> None:

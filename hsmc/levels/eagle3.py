@@ -68,7 +68,7 @@ class Eagle3Level:
         self._store(rows, features, upto)
         self._process_pairs(rows, upto, features.features.shape[1], prompt_features=features.features)
 
-    def propose(self, rows: torch.Tensor, k: int) -> Proposal:
+    def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
         tokens, logq, logprobs = [], [], []
         for step in range(k):
             if step:
