@@ -1,14 +1,16 @@
 """`HierarchicalDecoder`: the Python entry point, built from a config.
 
 It loads the level stack, admits prompts in waves that fit the KV pools, and drives the top
-level: an `smc` top decodes groups of N particles per prompt; any other top streams tokens.
+level: an `smc` top decodes groups of N particles per prompt; any other top steps all rows at once.
+Both drivers hand out each request's output as it settles; `stream()` passes it on as increments
+and `generate()` collects the results.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,16 +22,30 @@ from hsmc.config import GenerationConfig, HsmcConfig, load_config, validate
 from hsmc.engine.host_io import PendingRead, upload
 from hsmc.engine.scheduler import plan_waves
 from hsmc.errors import ConfigError
+from hsmc.levels.smc import GroupResult
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
 from hsmc.models.tokenizer import encode_prompt
 from hsmc.stopping import StopCriteria
+from hsmc.streaming import TextStream, WaveEvent
 
 
 @dataclass
-class Completion:
-    token_ids: list[int]  # generated ids only, the stop token included
-    finish_reason: str  # "stop" (a stop token) or "length"
+class Particle:
+    token_ids: list[int]  # generated ids only
+    text: str
+    log_weight: float  # since the last resampling
+    finish_reason: str
+
+
+@dataclass
+class SMCOutcome:
+    """An smc top's whole particle system at the end of a request."""
+
+    particles: list[Particle]  # all N, the returned one at index `chosen`
+    chosen: int
+    log_z: float  # log Ẑ: Σ over resampling intervals (the last included) of logsumexp(logw) − log N
+    resamplings: int
 
 
 @dataclass
@@ -37,7 +53,18 @@ class Result:
     text: str
     token_ids: list[int]  # generated ids only
     finish_reason: str  # "stop" or "length"
-    stats: dict[str, Any]  # new_tokens, seconds (generate() start to its last token), tokens_per_s, levels
+    stats: dict[str, Any]  # new_tokens, seconds (from the start to its last token), tokens_per_s; levels (generate)
+    smc: SMCOutcome | None = None  # set when the top level is smc
+
+
+@dataclass
+class Increment:
+    """Part of one request's output that can no longer change (a `stream()` item)."""
+
+    index: int  # the prompt's index
+    token_ids: list[int]  # tokens since the request's previous increment
+    text: str  # text since the previous increment; all of them joined are a prefix of the final text
+    result: Result | None = None  # set on the request's last increment
 
 
 class HierarchicalDecoder:
@@ -52,7 +79,6 @@ class HierarchicalDecoder:
     def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HierarchicalDecoder:
         return cls(load_config(source, overrides))
 
-    @torch.inference_mode()
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -60,6 +86,25 @@ class HierarchicalDecoder:
         **generation_overrides: Any,
     ) -> list[Result]:
         """Complete `prompts` (texts, chat-templated if configured, or token-id lists used as is)."""
+        results: list[Result] = []
+        by_index: dict[int, Result] = {}
+        for increment in self.stream(prompts, **generation_overrides):
+            if increment.result is not None:
+                by_index[increment.index] = increment.result
+                if on_finish:
+                    on_finish(increment.index)
+        results = [by_index[i] for i in range(len(by_index))]
+        level_stats = self._level_stats(max(r.stats["seconds"] for r in results))
+        for r in results:
+            r.stats["levels"] = level_stats
+        return results
+
+    @torch.inference_mode()
+    def stream(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], **generation_overrides: Any
+    ) -> Iterator[Increment]:
+        """Complete `prompts` like `generate`, yielding each request's output as it settles: for a model or
+        rejection top the tokens it commits, for an smc top the consensus prefix of its particles."""
         gen = self._generation_config(generation_overrides)
         ids = [encode_prompt(self.tokenizer, p, gen.chat_template) for p in prompts]
         if not ids or any(len(i) == 0 for i in ids):
@@ -80,40 +125,38 @@ class HierarchicalDecoder:
             self.stack.rows_per_prompt,
             self.stack.lookahead,
         )
-        finished_at: dict[int, float] = {}
         start = time.perf_counter()
-        completions: list[Completion] = []
         for wave in waves:
-
-            def finished(j: int, wave: list[int] = wave) -> None:
-                finished_at[wave[j]] = time.perf_counter() - start
-                if on_finish:
-                    on_finish(wave[j])
-
             wave_ids = [ids[i] for i in wave]
             if self.stack.is_smc:
-                groups = self.stack.top.run(wave_ids, gen.max_new_tokens, stop, finished)
-                completions += [Completion(g.token_ids, g.finish_reason) for g in groups]
+                events = self.stack.top.run(wave_ids, gen.max_new_tokens, stop)
             else:
-                completions += self._stream_wave(wave_ids, gen.max_new_tokens, stop, finished)
-        total = time.perf_counter() - start
-        level_stats = self._level_stats(total)
-        results = []
-        for i, c in enumerate(completions):
-            seconds = finished_at[i]
-            text = stop.trim(self.tokenizer.decode(c.token_ids, skip_special_tokens=True)) if self.tokenizer else ""
-            stats = {
-                "new_tokens": len(c.token_ids),
-                "seconds": seconds,
-                "tokens_per_s": len(c.token_ids) / seconds,
-                "levels": level_stats,
-            }
-            results.append(Result(text=text, token_ids=c.token_ids, finish_reason=c.finish_reason, stats=stats))
-        return results
+                events = self._stream_wave(wave_ids, gen.max_new_tokens, stop)
+            tokens: list[list[int]] = [[] for _ in wave]
+            texts = [TextStream(self.tokenizer, stop) for _ in wave]
+            for event in events:
+                j = event.index
+                tokens[j] += event.tokens
+                if event.finish_reason is None:
+                    yield Increment(wave[j], event.tokens, texts[j].update(tokens[j]))
+                    continue
+                text = texts[j].finish(tokens[j])
+                seconds = time.perf_counter() - start
+                stats = {"new_tokens": len(tokens[j]), "seconds": seconds, "tokens_per_s": len(tokens[j]) / seconds}
+                result = Result(texts[j].emitted, tokens[j], event.finish_reason, stats)
+                if event.smc is not None:
+                    result.smc = self._smc_outcome(event.smc, texts[j])
+                yield Increment(wave[j], event.tokens, text, result)
 
-    def _stream_wave(
-        self, prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria, finished: Callable[[int], None]
-    ) -> list[Completion]:
+    @staticmethod
+    def _smc_outcome(group: GroupResult, text: TextStream) -> SMCOutcome:
+        particles = [
+            Particle(tokens, text.final_text(tokens), weight, reason)
+            for tokens, weight, reason in zip(group.particles, group.log_weights, group.finish_reasons)
+        ]
+        return SMCOutcome(particles, group.chosen, group.log_z, group.resamplings)
+
+    def _stream_wave(self, prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria) -> Iterator[WaveEvent]:
         """Decode rows from a non-SMC top level: each step runs one round for every unfinished row and hands
         over all the tokens it produced. The host reads a step's tokens (one copy) while the next step
         already runs, so stop checks overlap with the GPU; a row that finished is released one step later
@@ -123,7 +166,8 @@ class HierarchicalDecoder:
         rows = upload(torch.arange(len(prompts)), device)
         top.load_prompts(rows, prompts)
         top.set_len_bound(max(len(p) for p in prompts))
-        completions = [Completion([], "length") for _ in prompts]
+        generated: list[list[int]] = [[] for _ in prompts]
+        finished = [False] * len(prompts)
         lengths = [len(p) for p in prompts]  # each row's sequence length on the device, as far as read
         active = list(range(len(prompts)))
         in_flight: tuple[list[int], PendingRead] | None = None
@@ -135,15 +179,16 @@ class HierarchicalDecoder:
                     emission = top.step(rows)
                     launched = (active, PendingRead(torch.cat([emission.tokens, emission.count[:, None]], 1)))
                 if in_flight is not None:
-                    done = self._take_step(*in_flight, completions, lengths, max_new_tokens, stop, finished)
+                    events = self._take_step(*in_flight, generated, finished, lengths, max_new_tokens, stop)
+                    done = {e.index for e in events if e.finish_reason is not None}
                     if done:
                         active = [i for i in active if i not in done]
                         top.release(upload(torch.tensor(sorted(done)), device))
                         rows = upload(torch.tensor(active, dtype=torch.int64), device)
                     if active:
                         top.set_len_bound(max(lengths[i] for i in active) + top.step_growth)
+                    yield from events
                 in_flight = launched
-            return completions
         finally:
             top.release(upload(torch.arange(len(prompts)), device))
 
@@ -151,31 +196,24 @@ class HierarchicalDecoder:
     def _take_step(
         stepped: list[int],
         read: PendingRead,
-        completions: list[Completion],
+        generated: list[list[int]],
+        finished: list[bool],
         lengths: list[int],
         max_new_tokens: int,
         stop: StopCriteria,
-        finished: Callable[[int], None],
-    ) -> set[int]:
-        """Apply one step's tokens (row j of the read belongs to prompt stepped[j]); returns the prompts
-        that finished with it."""
-        done = set()
+    ) -> list[WaveEvent]:
+        """Apply one step's tokens (row j of the read belongs to prompt stepped[j])."""
+        events = []
         for i, values in zip(stepped, read.result()):
-            generated = completions[i].token_ids
-            if len(generated) >= max_new_tokens or completions[i].finish_reason == "stop":
+            if finished[i]:
                 continue  # finished by an earlier step; this is its extra step
             count = values[-1]
             lengths[i] += count
-            before = len(generated)
-            generated += values[:count][: max_new_tokens - before]
-            cut = stop.first_stop(generated, before)
-            if cut is not None:
-                del generated[cut:]
-                completions[i].finish_reason = "stop"
-            if cut is not None or len(generated) == max_new_tokens:
-                finished(i)
-                done.add(i)
-        return done
+            before = len(generated[i])
+            reason = stop.append(generated[i], values[:count], max_new_tokens)
+            finished[i] = reason is not None
+            events.append(WaveEvent(i, generated[i][before:], reason))
+        return events
 
     def _level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
         out = []

@@ -159,3 +159,39 @@ def test_verifier_forwards_follow_the_slowest_row_not_the_sum(models):
     singles = [decoder.generate([p], max_new_tokens=24, ignore_eos=True)[0].token_ids for p in prompts]
     assert [r.token_ids for r in together] == singles
 
+
+def test_smc_top_reads_twice_per_cycle(models):
+    """An smc cycle reads its new tokens (stop checks need them), then the live groups' ESS together with their
+    would-be ancestors: two reads, whether or not a group resamples."""
+    draft, target = models
+    levels = [
+        {"kind": "model", "model": str(draft), "temperature": 1.0},
+        {
+            "kind": "smc",
+            "model": str(target),
+            "temperature": 1.0,
+            "particles": 4,
+            "block_size": 3,
+            "ess_threshold": 0.9,
+        },
+    ]
+    decoder = HierarchicalDecoder.from_config({"levels": levels})
+    top = decoder.stack.top
+    cycle = top._cycle
+    counts = []
+    for new_tokens in (9, 41):
+        cycles = 0
+
+        def counted(*args):
+            nonlocal cycles
+            cycles += 1
+            return cycle(*args)
+
+        top._cycle = counted
+        with HostReadCounter() as counter:
+            decoder.generate(PROMPTS, max_new_tokens=new_tokens, ignore_eos=True)
+        counts.append((counter.count, cycles, top.resamples))
+    del top._cycle
+    (short_reads, short_cycles, short_resamples), (long_reads, long_cycles, long_resamples) = counts
+    assert long_cycles > short_cycles and long_resamples > short_resamples
+    assert long_reads - short_reads <= 2 * (long_cycles - short_cycles)
