@@ -92,7 +92,7 @@ def _token_logps(target, prompt, n, temperature=1.0) -> dict[tuple[int, ...], li
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    seqs = list(itertools.product(range(VOCAB), repeat=n))
+    seqs = list(itertools.product(range(hf.config.vocab_size), repeat=n))
     with torch.no_grad():
         logp = torch.log_softmax(hf(torch.tensor([prompt + list(s) for s in seqs])).logits.double() / temperature, -1)
     return {s: [logp[r, len(prompt) - 1 + j, t].item() for j, t in enumerate(s)] for r, s in enumerate(seqs)}

@@ -89,8 +89,8 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
             layers = capture_layers(head_config, verifier.config.num_layers)
             runner = ModelRunner(head, tables(), backend, num_layers=1, cuda_graphs=graphs)
             embed = verifier.model.embed_tokens
-            pairs = above.num_draft_tokens + 1
-            levels.append(Eagle3Level(runner, embed, layers, rows, capacity, pairs, lc.temperature, generator))
+            pairs, bridged = above.num_draft_tokens + 1, len(cfg.levels) - 2  # one per level above the verifier
+            levels.append(Eagle3Level(runner, embed, layers, rows, capacity, pairs, bridged, lc.temperature, generator))
             vocabularies.append((head.config.vocab_size, None))
             continue
         model = model_of(lc)
