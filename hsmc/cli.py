@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,10 +37,19 @@ def _generate(args: argparse.Namespace) -> None:
     decoder = HierarchicalDecoder.from_config(args.config, args.overrides)
     load_seconds = time.perf_counter() - load_start
     prompts = _read_prompts(args, decoder.config.prompts)
-    with tqdm(total=len(prompts), desc="prompts", unit="prompt", disable=len(prompts) < 2, file=sys.stderr) as bar:
-        results = decoder.generate(prompts, on_finish=lambda _: bar.update())
-    for prompt, result in zip(prompts, results):
-        print(f"### {prompt}\n{result.text}\n")
+    if args.stream:
+        results = _print_stream(decoder, prompts, args.json)
+    else:
+        with tqdm(total=len(prompts), desc="prompts", unit="prompt", disable=len(prompts) < 2, file=sys.stderr) as bar:
+            results = decoder.generate(prompts, on_finish=lambda _: bar.update())
+    if args.json:
+        if not args.stream:
+            for i, result in enumerate(results):
+                print(json.dumps({"index": i, "prompt": prompts[i], **dataclasses.asdict(result)}))
+        return
+    if not args.stream:
+        for prompt, result in zip(prompts, results):
+            print(f"### {prompt}\n{result.text}\n")
     total_tokens = sum(r.stats["new_tokens"] for r in results)
     seconds = max(r.stats["seconds"] for r in results)
     print(f"{'prompt':>6} {'new tokens':>10} {'finish':>7} {'seconds':>8} {'tok/s':>8}")
@@ -54,6 +64,35 @@ def _generate(args: argparse.Namespace) -> None:
     for level in results[0].stats["levels"]:
         extra = ", ".join(f"{k} {v:.2f}" for k, v in level.items() if k not in ("kind", "model", "share_of_time"))
         print(f"{level['kind']:<10} {level['model'][-28:]:<28} {level['share_of_time']:>5.0%}  {extra}")
+
+
+def _print_stream(decoder, prompts: list[str], as_json: bool) -> list:
+    """Print each prompt's text as it settles, prompt after prompt (text of a later prompt that settles early
+    waits for its turn); with `as_json` every increment as it comes, one JSON line each, the result on the last."""
+    results, waiting, shown = {}, [""] * len(prompts), 0
+    start = time.perf_counter()
+    if not as_json:
+        print(f"### {prompts[0]}", flush=True)
+    for increment in decoder.stream(prompts):
+        i = increment.index
+        if increment.result is not None:
+            results[i] = increment.result
+        if as_json:
+            result = dataclasses.asdict(increment.result) if increment.result else None
+            print(json.dumps({"index": i, "text": increment.text, "token_ids": increment.token_ids, "result": result}))
+            continue
+        waiting[i] += increment.text
+        while shown < len(prompts):
+            print(waiting[shown], end="", flush=True)
+            waiting[shown] = ""
+            if shown not in results:
+                break
+            shown += 1
+            print("\n" + (f"\n### {prompts[shown]}" if shown < len(prompts) else ""), flush=True)
+    levels = decoder.level_stats(time.perf_counter() - start)
+    for result in results.values():
+        result.stats["levels"] = levels
+    return [results[i] for i in range(len(prompts))]
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -96,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts-file", help="a text file (one prompt per line) or .jsonl with a 'prompt' field")
+    gen.add_argument(
+        "--stream", action="store_true", help="print text as it settles (smc: the prefix all particles share)"
+    )
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt (with --stream: per increment)"
+    )
     gen.add_argument("overrides", nargs="*", help="config overrides, e.g. generation.max_new_tokens=64")
     train = sub.add_parser("train-eagle", help="train an EAGLE3 head for a verifier (resumes from checkpoints)")
     train.add_argument(

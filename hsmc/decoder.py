@@ -86,7 +86,6 @@ class HierarchicalDecoder:
         **generation_overrides: Any,
     ) -> list[Result]:
         """Complete `prompts` (texts, chat-templated if configured, or token-id lists used as is)."""
-        results: list[Result] = []
         by_index: dict[int, Result] = {}
         for increment in self.stream(prompts, **generation_overrides):
             if increment.result is not None:
@@ -94,7 +93,7 @@ class HierarchicalDecoder:
                 if on_finish:
                     on_finish(increment.index)
         results = [by_index[i] for i in range(len(by_index))]
-        level_stats = self._level_stats(max(r.stats["seconds"] for r in results))
+        level_stats = self.level_stats(max(r.stats["seconds"] for r in results))
         for r in results:
             r.stats["levels"] = level_stats
         return results
@@ -215,7 +214,9 @@ class HierarchicalDecoder:
             events.append(WaveEvent(i, generated[i][before:], reason))
         return events
 
-    def _level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
+    def level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
+        """Per-level statistics of the last run (`generate` puts them in every result's stats["levels"]);
+        `share_of_time` is the level's forward time over `total_seconds`."""
         out = []
         for lc, level in zip(self.stack.configs, self.stack.levels):
             stats = level.stats()
