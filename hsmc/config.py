@@ -145,10 +145,10 @@ def _validate_position(levels: list[LevelConfig], i: int, key: str) -> None:
         raise ConfigError(
             f"{key}.kind={kind!r} drafts at the bottom: it samples on its own and would ignore the levels below it"
         )
-    if kind == "eagle3" and (len(levels) < 2 or levels[1].kind != "rejection"):
+    if kind == "eagle3" and (len(levels) < 2 or levels[1].kind not in ("rejection", "smc")):
         raise ConfigError(
-            f"{key}.kind='eagle3' drafts directly under a rejection level: the head reads the features of the "
-            "verifier above it, which a rejection level hands down"
+            f"{key}.kind='eagle3' drafts directly under a rejection or smc level: the head reads the features "
+            "of the model above it"
         )
     if kind == "smc" and i != len(levels) - 1:
         raise ConfigError(

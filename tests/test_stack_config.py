@@ -55,9 +55,8 @@ M = {"kind": "model", "model": "m", "temperature": 1.0}
         (_levels(M, {"kind": "rejection", "model": "t", "num_draft_tokens": 0}), r"levels\[1\].num_draft_tokens"),
         (_levels(M, M), r"levels\[1\].kind='model' drafts at the bottom: it samples on its own"),
         (_levels({**M, "num_layers": 0}), r"levels\[0\].num_layers"),
-        (_levels({"kind": "eagle3", "model": "h"}, M), "directly under a rejection level"),
-        (_levels({"kind": "eagle3", "model": "h"}), "directly under a rejection level"),
-        (_levels({"kind": "eagle3", "model": "h"}, {"kind": "smc", "model": "t", "temperature": 1.0}), "rejection"),
+        (_levels({"kind": "eagle3", "model": "h"}, M), "directly under a rejection or smc level"),
+        (_levels({"kind": "eagle3", "model": "h"}), "directly under a rejection or smc level"),
         (_levels(M, {"kind": "eagle3", "model": "h"}), r"levels\[1\].kind='eagle3' drafts at the bottom"),
     ],
 )
@@ -78,6 +77,7 @@ SMC = {"kind": "smc", "model": "t", "temperature": 1.0}
         (M, R, R, SMC),
         ({"kind": "eagle3", "model": "h", "temperature": 1.0}, R, R, R, SMC),
         (M, SMC),
+        ({"kind": "eagle3", "model": "h", "temperature": 1.0}, SMC),
     ],
     ids=lambda levels: "-".join(level["kind"] for level in levels),
 )

@@ -11,6 +11,7 @@ from test_rejection import _hf_greedy
 from test_smc_level import _normalised, _sampling_floor, _token_logps, _tv
 
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.errors import ConfigError
 
 LLAMA = TINY_CONFIGS["llama"]
 SIZES = (LLAMA["hidden_size"], LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"], 16, 96)
@@ -123,3 +124,55 @@ def test_depth_four_stack_with_smc_converges_and_leaks_nothing(small_family):
         assert_pools_empty(decoder)
     print(f"depth 4: TV for N = 1, 4, 16: {tv}; sampling floor {_sampling_floor(exact, samples):.3f}")
     assert tv[0] > tv[1] > tv[2], f"TV for N = 1, 4, 16: {tv}"
+
+
+def test_eagle3_head_directly_under_smc(small_family, tmp_path):
+    """A head that drafts over the whole vocabulary is an smc proposal of its own: it reads the smc target's
+    features. TV to the exact p_big falls with N; a head drafting part of the vocabulary is refused (q = 0
+    where p > 0 would bias the weights)."""
+    head, _ = published_layout(tmp_path / "head", dtype=torch.float32, sizes=(*SIZES, 6, 6), scale=0.05, seed=9)
+    prompt, n_tokens, samples = [1, 4, 2], 3, 3000
+    exact = _normalised({s: sum(lp) for s, lp in _token_logps(small_family["big"], prompt, n_tokens).items()})
+    smc = {"kind": "smc", "model": str(small_family["big"]), "temperature": 1.0, "block_size": 2}
+    engine = {"kv_capacity_tokens": 16384, "max_batch_rows": 1024}
+    tv = []
+    for n in (1, 4, 16):
+        levels = [{"kind": "eagle3", "model": str(head), "temperature": 1.0}, {**smc, "particles": n}]
+        decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": engine})
+        results = decoder.generate([prompt] * samples, max_new_tokens=n_tokens, ignore_eos=True, seed=n)
+        tv.append(_tv(results, exact))
+        assert_pools_empty(decoder)
+    print(f"eagle3 under smc: TV for N = 1, 4, 16: {tv}; sampling floor {_sampling_floor(exact, samples):.3f}")
+    assert tv[0] > tv[1] > tv[2], f"TV for N = 1, 4, 16: {tv}"
+    partial = [{"kind": "eagle3", "model": str(small_family["head"]), "temperature": 1.0}, {**smc, "particles": 2}]
+    with pytest.raises(ConfigError, match="drafts 4 of the 6 tokens; an smc proposal must be able to propose"):
+        HierarchicalDecoder.from_config({"levels": partial})
+
+
+def test_eagle3_head_under_smc_reads_the_targets_features(small_family, tmp_path):
+    """After each smc cycle the head holds exactly the pairs (target feature, token) of the committed tokens: the
+    same state a head reading the same model's features as a rejection verifier builds from scratch."""
+    from hsmc.stopping import StopCriteria
+
+    head, _ = published_layout(tmp_path / "head", dtype=torch.float32, sizes=(*SIZES, 6, 6), scale=0.5, seed=9)
+    big = str(small_family["big"])
+    smc = {"kind": "smc", "model": big, "temperature": 1.0, "particles": 1, "block_size": 2}
+    decoder = HierarchicalDecoder.from_config(
+        {"levels": [{"kind": "eagle3", "model": str(head), "temperature": 1.0}, smc]}
+    )
+    eagle, top = decoder.stack.levels
+    fresh = HierarchicalDecoder.from_config(
+        {"levels": [{"kind": "eagle3", "model": str(head)}, {"kind": "rejection", "model": big}]}
+    )
+    f_eagle, f_rejection = fresh.stack.levels
+    events = top.run([[1, 4, 2], [3]], 30, StopCriteria(frozenset()))
+    for _ in range(4):  # one particle: every cycle settles tokens, so each event follows one cycle
+        next(events)
+        for row in (0, 1):
+            committed = eagle.state.seq[row, : int(eagle.state.seq_len[row])].tolist()
+            f_rejection.load_prompts(torch.tensor([row]), [committed])
+            f_rejection.prefill(torch.tensor([row]))
+            assert torch.allclose(eagle.last_logits[row], f_eagle.last_logits[row], atol=1e-4), row
+            f_rejection.release(torch.tensor([row]))
+    events.close()
+    assert_pools_empty(decoder)

@@ -44,6 +44,11 @@ class StepOutput:
     start: torch.Tensor  # [R] position of the first processed token
     features: torch.Tensor | None  # [R, W, n·H]: residual streams at the runner's capture layers, concatenated
 
+    def take(self, index: torch.Tensor) -> StepOutput:
+        """Row index[i]'s outputs as row i (e.g. a prompt's forward for each of its particles)."""
+        features = None if self.features is None else self.features[index]
+        return StepOutput(self.logits[index], self.count[index], self.start[index], features)
+
     def last(self, n: int) -> torch.Tensor:
         """The last n valid logits of each row: [R, n, V]."""
         idx = (self.count[:, None] - n + torch.arange(n, device=self.count.device)).clamp_min(0)

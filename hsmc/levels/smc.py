@@ -171,8 +171,10 @@ class SMCLevel:
         self.state.load_prompts(first, prompts)
         self.proposal.load_prompts(first, prompts)
         self.set_len_bound(max(len(q) for q in prompts))
-        logits = self.state.forward(first, last_only=True).logits[:, 0].float()  # target at the last prompt token
-        self.proposal.prefill(first)  # the proposal keeps the prompt's last token pending
+        prefill = self.state.forward(first, last_only=True)
+        logits = prefill.logits[:, 0].float()  # the target at the last prompt token
+        features = prefill if self.proposal.feature_layers else None  # for an EAGLE3 head drafting directly
+        self.proposal.prefill(first, features)  # the proposal keeps the prompt's last token pending
         if n > 1:
             src = self._index([g.rows[0] for g in groups for _ in range(n - 1)])
             dst = self._index([r for g in groups for r in g.rows[1:]])
@@ -181,7 +183,8 @@ class SMCLevel:
         x0, _ = sample(p.alpha * logits.repeat_interleave(n, 0), p.temperature, self.generator)
         prompt_len = self.state.seq_len[rows]
         self.state.append(rows, x0[:, None])
-        self.proposal.accept(rows, prompt_len, x0)
+        group_of_row = torch.arange(len(groups), device=rows.device).repeat_interleave(n)
+        self.proposal.accept(rows, prompt_len, x0, features and features.take(group_of_row))
         first_tokens = PendingRead(x0).result()
         for j, (g, i) in enumerate((g, i) for g in groups for i in range(n)):
             g.extend(i, [first_tokens[j]], max_new_tokens, stop)
@@ -201,12 +204,13 @@ class SMCLevel:
         else:
             draft = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)
             logq = torch.zeros(len(rows), 0, device=rows.device)
-        target = self.state.forward(rows).last(k + 1).float()  # L_0..L_K
+        step = self.state.forward(rows)
+        target = step.last(k + 1).float()  # L_0..L_K
         bonus, _ = sample(p.alpha * target[:, k], p.temperature, self.generator)
         keep_len = base + k
         self.state.truncate(rows, keep_len, bonus, max_drop=k + 1)
         if k:
-            self.proposal.accept(rows, keep_len, bonus)
+            self.proposal.accept(rows, keep_len, bonus, step if self.proposal.feature_layers else None)
         return target, draft, logq, PendingRead(torch.cat([draft, bonus[:, None]], 1)).result()
 
     def _maybe_resample(self, live: list[_Group], logw: torch.Tensor, log_z: torch.Tensor) -> None:
