@@ -11,6 +11,8 @@ runs, so `hsmc --help` answers at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +38,12 @@ def _add_generate(sub: Any) -> None:
     source.add_argument(
         "--prompts-file",
         help="a text file (one prompt per line) or .jsonl whose lines have a 'prompt' field (text or token ids)",
+    )
+    cmd.add_argument(
+        "--stream", action="store_true", help="print text as it settles (smc: the prefix all particles share)"
+    )
+    cmd.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt (with --stream: per increment)"
     )
     cmd.add_argument("overrides", nargs="*", help="config overrides, e.g. generation.max_new_tokens=64")
     cmd.set_defaults(run=_generate)
@@ -176,17 +184,58 @@ def _generate(args: argparse.Namespace) -> int:
     load_start = time.perf_counter()
     decoder = HierarchicalDecoder(cfg)
     load_seconds = time.perf_counter() - load_start
-    progress = _Progress(decoder, len(prompts), cfg.generation.max_new_tokens)
+    results: dict[int, Any] = {}
     try:
-        with progress.bar:
-            results = dict(
-                enumerate(decoder.generate(ids, on_finish=progress.on_finish, on_progress=progress.on_progress))
-            )
+        if args.stream:
+            _print_stream(decoder, prompts, ids, args.json, results)
+        else:
+            progress = _Progress(decoder, len(prompts), cfg.generation.max_new_tokens)
+            with progress.bar:
+                results.update(
+                    enumerate(decoder.generate(ids, on_finish=progress.on_finish, on_progress=progress.on_progress))
+                )
     except GenerationInterrupted as e:
-        _print_results(prompts, e.results, decoder, load_seconds)
-        raise KeyboardInterrupt(f"{e}; their completions and stats are printed above") from None
-    _print_results(prompts, results, decoder, load_seconds)
+        results.update(e.results)
+        interrupted: KeyboardInterrupt | None = e
+    except KeyboardInterrupt:  # while streaming: the finished prompts were collected as they came
+        interrupted = KeyboardInterrupt(f"{len(results)} of {len(prompts)} prompts finished")
+    else:
+        interrupted = None
+    if args.json and not args.stream:
+        for i, result in sorted(results.items()):
+            print(json.dumps({"index": i, "prompt": prompts[i], **dataclasses.asdict(result)}))
+    elif not args.json:
+        _print_results(prompts, results, decoder, load_seconds, completions=not args.stream)
+    if interrupted is not None:
+        raise KeyboardInterrupt(f"{interrupted}; their completions and stats are printed above") from None
     return 0
+
+
+def _print_stream(decoder: Any, prompts: list[Any], ids: list[list[int]], as_json: bool, results: dict) -> None:
+    """Print each prompt's text as it settles, prompt after prompt (text of a later prompt that settles early
+    waits for its turn); with `as_json` every increment as it comes, one JSON line each, the result on the
+    last. Finished prompts are collected in `results`, with the level stats of the run."""
+    waiting, shown = [""] * len(prompts), 0
+    start = time.perf_counter()
+    if not as_json:
+        print(f"### {prompts[0]}", flush=True)
+    for increment in decoder.stream(ids):
+        i = increment.index
+        if increment.result is not None:
+            results[i] = increment.result
+            increment.result.stats["levels"] = decoder.level_stats(time.perf_counter() - start)
+        if as_json:
+            result = dataclasses.asdict(increment.result) if increment.result else None
+            print(json.dumps({"index": i, "text": increment.text, "token_ids": increment.token_ids, "result": result}))
+            continue
+        waiting[i] += increment.text
+        while shown < len(prompts):
+            print(waiting[shown], end="", flush=True)
+            waiting[shown] = ""
+            if shown not in results:
+                break
+            shown += 1
+            print("\n" + (f"\n### {prompts[shown]}" if shown < len(prompts) else ""), flush=True)
 
 
 def _read_prompts(args: argparse.Namespace, default: list[str]) -> list[Any]:
@@ -230,11 +279,14 @@ class _Progress:
         self.bar.update(generated - self.bar.n)
 
 
-def _print_results(prompts: list[Any], results: dict[int, Any], decoder: Any, load_seconds: float) -> None:
-    """Completions, then a stats row per prompt and per level (README: "Reading the stats")."""
+def _print_results(
+    prompts: list[Any], results: dict[int, Any], decoder: Any, load_seconds: float, completions: bool = True
+) -> None:
+    """Completions (unless streamed already), then a stats row per prompt and per level (README: "Reading
+    the stats")."""
     if not results:
         return
-    for i, r in sorted(results.items()):
+    for i, r in sorted(results.items()) if completions else ():
         completion = r.text if decoder.tokenizer is not None else f"token ids: {r.token_ids}"
         print(f"### {prompts[i]}\n{completion}\n")
     total_tokens = sum(r.stats["new_tokens"] for r in results.values())
@@ -248,7 +300,7 @@ def _print_results(prompts: list[Any], results: dict[int, Any], decoder: Any, lo
         f"\n{'level':<10} {'model':<28} {'time':>5}  stats"
         f"   (device {decoder.config.engine.device}, load {load_seconds:.1f}s)"
     )
-    for level in next(iter(results.values())).stats["levels"]:
+    for level in max(results.values(), key=lambda r: r.stats["seconds"]).stats["levels"]:
         extra = ", ".join(f"{k} {v:.2f}" for k, v in level.items() if k not in ("kind", "model", "share_of_time"))
         print(f"{level['kind']:<10} {level['model'][-28:]:<28} {level['share_of_time']:>5.0%}  {extra}")
 

@@ -196,17 +196,9 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
             yield f"{key}.temperature", f" must be >= 0, got {level.temperature}"
         if level.num_layers is not None and level.num_layers <= 0:
             yield f"{key}.num_layers", f" must be positive, got {level.num_layers}"
-        if i == 0 and level.kind not in ("model", "eagle3"):
-            yield f"{key}.kind", f"={level.kind!r}: the bottom level must be 'model' or 'eagle3'"
-        if level.kind == "eagle3" and (i != 0 or len(cfg.levels) < 2 or cfg.levels[1].kind != "rejection"):
-            yield f"{key}.kind", "='eagle3' drafts at the bottom, directly under a rejection level"
-        if level.kind == "smc" and i != len(cfg.levels) - 1:
-            yield f"{key}.kind", "='smc' must be the top level"
-        if level.kind == "rejection":
-            if level.num_draft_tokens <= 0:
-                yield f"{key}.num_draft_tokens", f" must be positive, got {level.num_draft_tokens}"
-            if cfg.levels[i - 1].kind not in ("model", "eagle3"):
-                yield key, ": a rejection level drafts from a 'model' or 'eagle3' level directly below it"
+        if level.kind == "rejection" and level.num_draft_tokens <= 0:
+            yield f"{key}.num_draft_tokens", f" must be positive, got {level.num_draft_tokens}"
+        yield from _position_problems(cfg.levels, i)
         if level.kind == "smc":
             yield from _smc_problems(level, cfg.levels[i - 1], i)
     engine = cfg.engine
@@ -221,6 +213,27 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
     ):
         if value <= 0:
             yield key, f" must be positive, got {value}"
+
+
+def _position_problems(levels: list[LevelConfig], i: int) -> Iterator[tuple[str, str]]:
+    """What each kind can sit on, and under: only the combinations that have no sound meaning are refused."""
+    kind, key = levels[i].kind, f"levels[{i}].kind"
+    if i == 0 and kind in ("rejection", "smc"):
+        yield key, f"={kind!r}: the bottom level must be 'model' or 'eagle3' ({kind} needs proposals)"
+    if i > 0 and kind in ("model", "eagle3"):
+        yield key, f"={kind!r} drafts at the bottom: it samples on its own and would ignore the levels below it"
+    if kind == "eagle3" and (len(levels) < 2 or levels[1].kind not in ("rejection", "smc")):
+        yield (
+            key,
+            "='eagle3' drafts directly under a rejection or smc level: the head reads the features of the model "
+            "above it",
+        )
+    if kind == "smc" and i != len(levels) - 1:
+        yield (
+            key,
+            "='smc' must be the top level: its output is only approximately p_T^alpha and has no tractable "
+            "probability, so no level can verify or reweight it",
+        )
 
 
 def _smc_problems(level: LevelConfig, below: LevelConfig, i: int) -> Iterator[tuple[str, str]]:

@@ -1,14 +1,16 @@
 """`HierarchicalDecoder`: the Python entry point, built from a config.
 
 It loads the level stack, admits prompts in waves that fit the KV pools, and drives the top
-level: an `smc` top decodes groups of N particles per prompt; any other top streams tokens.
+level: an `smc` top decodes groups of N particles per prompt; any other top steps all rows at once.
+Both drivers hand out each request's output as it settles; `stream()` passes it on as increments
+and `generate()` collects the results.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,16 +22,30 @@ from hsmc.config import GenerationConfig, HsmcConfig, level_label, load_config, 
 from hsmc.engine.host_io import PendingRead, upload
 from hsmc.engine.scheduler import plan_waves
 from hsmc.errors import ConfigError, ModelLoadError
+from hsmc.levels.smc import GroupResult
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
-from hsmc.preflight import check_stop_strings, min_prompt_tokens, prompt_token_ids
+from hsmc.preflight import check_stop_strings, prompt_token_ids
 from hsmc.stopping import StopCriteria
+from hsmc.streaming import TextStream, WaveEvent
 
 
 @dataclass
-class Completion:
-    token_ids: list[int]  # generated ids only, the stop token included
-    finish_reason: str  # "stop" (a stop token) or "length"
+class Particle:
+    token_ids: list[int]  # generated ids only
+    text: str
+    log_weight: float  # since the last resampling
+    finish_reason: str
+
+
+@dataclass
+class SMCOutcome:
+    """An smc top's whole particle system at the end of a request."""
+
+    particles: list[Particle]  # all N, the returned one at index `chosen`
+    chosen: int
+    log_z: float  # log Ẑ: Σ over resampling intervals (the last included) of logsumexp(logw) − log N
+    resamplings: int
 
 
 @dataclass
@@ -37,7 +53,18 @@ class Result:
     text: str
     token_ids: list[int]  # generated ids only
     finish_reason: str  # "stop" or "length"
-    stats: dict[str, Any]  # new_tokens, seconds (generate() start to its last token), tokens_per_s, levels
+    stats: dict[str, Any]  # new_tokens, seconds (from the start to its last token), tokens_per_s; levels (generate)
+    smc: SMCOutcome | None = None  # set when the top level is smc
+
+
+@dataclass
+class Increment:
+    """Part of one request's output that can no longer change (a `stream()` item)."""
+
+    index: int  # the prompt's index
+    token_ids: list[int]  # tokens since the request's previous increment
+    text: str  # text since the previous increment; all of them joined are a prefix of the final text
+    result: Result | None = None  # set on the request's last increment
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -64,7 +91,6 @@ class HierarchicalDecoder:
     def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HierarchicalDecoder:
         return cls(load_config(source, overrides))
 
-    @torch.inference_mode()
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -78,8 +104,37 @@ class HierarchicalDecoder:
         tokens (a progress signal for a single prompt). Ctrl-C raises `GenerationInterrupted`
         carrying the prompts that had finished.
         """
+        by_index: dict[int, Result] = {}
+        start = time.perf_counter()
+        try:
+            for increment in self.stream(prompts, on_progress, **generation_overrides):
+                if increment.result is not None:
+                    by_index[increment.index] = increment.result
+                    if on_finish:
+                        on_finish(increment.index)
+        except KeyboardInterrupt:
+            raise GenerationInterrupted(self._with_level_stats(by_index, start), len(prompts)) from None
+        results = self._with_level_stats(by_index, start)
+        return [results[i] for i in range(len(results))]
+
+    def _with_level_stats(self, results: dict[int, Result], start: float) -> dict[int, Result]:
+        """`results` with the per-level statistics since `start` in every result's stats["levels"]."""
+        level_stats = self.level_stats(time.perf_counter() - start)
+        for r in results.values():
+            r.stats["levels"] = level_stats
+        return results
+
+    @torch.inference_mode()
+    def stream(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        on_progress: Callable[[int], None] | None = None,
+        **generation_overrides: Any,
+    ) -> Iterator[Increment]:
+        """Complete `prompts` like `generate`, yielding each request's output as it settles: for a model or
+        rejection top the tokens it commits, for an smc top the consensus prefix of its particles."""
         gen = self._generation_config(generation_overrides)
-        ids = prompt_token_ids(self.tokenizer, prompts, gen.chat_template, min_prompt_tokens(self.config))
+        ids = prompt_token_ids(self.tokenizer, prompts, gen.chat_template)
         check_stop_strings(gen, self.tokenizer)
         eos = frozenset() if gen.ignore_eos else frozenset(self.stack.eos_token_ids)
         stop = StopCriteria(eos, tuple(gen.stop), self.tokenizer, on_check=on_progress)
@@ -95,58 +150,38 @@ class HierarchicalDecoder:
             self.stack.rows_per_prompt,
             self.stack.lookahead,
         )
-        finished_at: dict[int, float] = {}
         start = time.perf_counter()
-        completions: dict[int, Completion] = {}
-        try:
-            for wave in waves:
+        for wave in waves:
+            wave_ids = [ids[i] for i in wave]
+            if self.stack.is_smc:
+                events = self.stack.top.run(wave_ids, gen.max_new_tokens, stop)
+            else:
+                events = self._stream_wave(wave_ids, gen.max_new_tokens, stop)
+            tokens: list[list[int]] = [[] for _ in wave]
+            texts = [TextStream(self.tokenizer, stop) for _ in wave]
+            for event in events:
+                j = event.index
+                tokens[j] += event.tokens
+                if event.finish_reason is None:
+                    yield Increment(wave[j], event.tokens, texts[j].update(tokens[j]))
+                    continue
+                text = texts[j].finish(tokens[j])
+                seconds = time.perf_counter() - start
+                stats = {"new_tokens": len(tokens[j]), "seconds": seconds, "tokens_per_s": len(tokens[j]) / seconds}
+                result = Result(texts[j].emitted, tokens[j], event.finish_reason, stats)
+                if event.smc is not None:
+                    result.smc = self._smc_outcome(event.smc, texts[j])
+                yield Increment(wave[j], event.tokens, text, result)
 
-                def finished(j: int, completion: Completion | None = None, wave: list[int] = wave) -> None:
-                    """Prompt wave[j] is done; a streaming top hands its completion over at once, so
-                    Ctrl-C keeps it (an smc top picks its particles when the whole wave is done)."""
-                    finished_at[wave[j]] = time.perf_counter() - start
-                    if completion is not None:
-                        completions[wave[j]] = completion
-                    if on_finish:
-                        on_finish(wave[j])
+    @staticmethod
+    def _smc_outcome(group: GroupResult, text: TextStream) -> SMCOutcome:
+        particles = [
+            Particle(tokens, text.final_text(tokens), weight, reason)
+            for tokens, weight, reason in zip(group.particles, group.log_weights, group.finish_reasons)
+        ]
+        return SMCOutcome(particles, group.chosen, group.log_z, group.resamplings)
 
-                wave_ids = [ids[i] for i in wave]
-                if self.stack.is_smc:
-                    groups = self.stack.top.run(wave_ids, gen.max_new_tokens, stop, finished)
-                    done = [Completion(g.token_ids, g.finish_reason) for g in groups]
-                else:
-                    done = self._stream_wave(wave_ids, gen.max_new_tokens, stop, finished)
-                completions.update(zip(wave, done))
-        except KeyboardInterrupt:
-            raise GenerationInterrupted(self._results(completions, finished_at, stop, start), len(ids)) from None
-        results = self._results(completions, finished_at, stop, start)
-        return [results[i] for i in range(len(ids))]
-
-    def _results(
-        self, completions: dict[int, Completion], finished_at: dict[int, float], stop: StopCriteria, start: float
-    ) -> dict[int, Result]:
-        """Results of the finished prompts, by prompt index; level stats cover the time since `start`."""
-        level_stats = self._level_stats(time.perf_counter() - start)
-        results = {}
-        for i, c in completions.items():
-            seconds = finished_at[i]
-            text = stop.trim(self.tokenizer.decode(c.token_ids, skip_special_tokens=True)) if self.tokenizer else ""
-            stats = {
-                "new_tokens": len(c.token_ids),
-                "seconds": seconds,
-                "tokens_per_s": len(c.token_ids) / seconds,
-                "levels": level_stats,
-            }
-            results[i] = Result(text=text, token_ids=c.token_ids, finish_reason=c.finish_reason, stats=stats)
-        return results
-
-    def _stream_wave(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        stop: StopCriteria,
-        finished: Callable[[int, Completion], None],
-    ) -> list[Completion]:
+    def _stream_wave(self, prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria) -> Iterator[WaveEvent]:
         """Decode rows from a non-SMC top level: each step runs one round for every unfinished row and hands
         over all the tokens it produced. The host reads a step's tokens (one copy) while the next step
         already runs, so stop checks overlap with the GPU; a row that finished is released one step later
@@ -156,7 +191,8 @@ class HierarchicalDecoder:
         rows = upload(torch.arange(len(prompts)), device)
         top.load_prompts(rows, prompts)
         top.set_len_bound(max(len(p) for p in prompts))
-        completions = [Completion([], "length") for _ in prompts]
+        generated: list[list[int]] = [[] for _ in prompts]
+        finished = [False] * len(prompts)
         lengths = [len(p) for p in prompts]  # each row's sequence length on the device, as far as read
         active = list(range(len(prompts)))
         in_flight: tuple[list[int], PendingRead] | None = None
@@ -168,15 +204,16 @@ class HierarchicalDecoder:
                     emission = top.step(rows)
                     launched = (active, PendingRead(torch.cat([emission.tokens, emission.count[:, None]], 1)))
                 if in_flight is not None:
-                    done = self._take_step(*in_flight, completions, lengths, max_new_tokens, stop, finished)
+                    events = self._take_step(*in_flight, generated, finished, lengths, max_new_tokens, stop)
+                    done = {e.index for e in events if e.finish_reason is not None}
                     if done:
                         active = [i for i in active if i not in done]
                         top.release(upload(torch.tensor(sorted(done)), device))
                         rows = upload(torch.tensor(active, dtype=torch.int64), device)
                     if active:
                         top.set_len_bound(max(lengths[i] for i in active) + top.step_growth)
+                    yield from events
                 in_flight = launched
-            return completions
         finally:
             top.release(upload(torch.arange(len(prompts)), device))
 
@@ -184,31 +221,24 @@ class HierarchicalDecoder:
     def _take_step(
         stepped: list[int],
         read: PendingRead,
-        completions: list[Completion],
+        generated: list[list[int]],
+        finished: list[bool],
         lengths: list[int],
         max_new_tokens: int,
         stop: StopCriteria,
-        finished: Callable[[int, Completion], None],
-    ) -> set[int]:
-        """Apply one step's tokens (row j of the read belongs to prompt stepped[j]); returns the prompts
-        that finished with it."""
-        done = set()
+    ) -> list[WaveEvent]:
+        """Apply one step's tokens (row j of the read belongs to prompt stepped[j])."""
+        events = []
         for i, values in zip(stepped, read.result()):
-            generated = completions[i].token_ids
-            if len(generated) >= max_new_tokens or completions[i].finish_reason == "stop":
+            if finished[i]:
                 continue  # finished by an earlier step; this is its extra step
             count = values[-1]
             lengths[i] += count
-            before = len(generated)
-            generated += values[:count][: max_new_tokens - before]
-            cut = stop.first_stop(generated, before)
-            if cut is not None:
-                del generated[cut:]
-                completions[i].finish_reason = "stop"
-            if cut is not None or len(generated) == max_new_tokens:
-                finished(i, completions[i])
-                done.add(i)
-        return done
+            before = len(generated[i])
+            reason = stop.append(generated[i], values[:count], max_new_tokens)
+            finished[i] = reason is not None
+            events.append(WaveEvent(i, generated[i][before:], reason))
+        return events
 
     def _levels_using(self, source: str | None) -> str:
         """`levels[1] (rejection), levels[2] (smc)`: the levels whose model is `source`. Errors without a
@@ -218,7 +248,9 @@ class HierarchicalDecoder:
         using = using or [(i, lc) for i, lc in levels if lc.kind == "eagle3"] or levels
         return ", ".join(level_label(i, lc) for i, lc in using)
 
-    def _level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
+    def level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
+        """Per-level statistics of the last run (`generate` puts them in every result's stats["levels"]);
+        `share_of_time` is the level's forward time over `total_seconds`."""
         out = []
         for lc, level in zip(self.stack.configs, self.stack.levels):
             stats = level.stats()

@@ -39,7 +39,7 @@ def check_before_loading(cfg: HsmcConfig, prompts: Sequence[Prompt]) -> list[lis
             raise ConfigError(f"{level_label(i, level)}: {e}") from None
     tokenizer = _stack_tokenizer(cfg)
     check_stop_strings(cfg.generation, tokenizer)
-    ids = prompt_token_ids(tokenizer, prompts, cfg.generation.chat_template, min_prompt_tokens(cfg))
+    ids = prompt_token_ids(tokenizer, prompts, cfg.generation.chat_template)
     rows, lookahead = rows_and_lookahead(cfg)
     engine = cfg.engine
     plan_waves(
@@ -61,23 +61,14 @@ def rows_and_lookahead(cfg: HsmcConfig) -> tuple[int, int]:
     return rows, lookahead_tokens(cfg.levels)
 
 
-def min_prompt_tokens(cfg: HsmcConfig) -> int:
-    """An EAGLE3 drafter's first pair is (feature of token 0, token 1): its prompts need two tokens."""
-    return 2 if cfg.levels[0].kind == "eagle3" else 1
-
-
-def prompt_token_ids(
-    tokenizer: Any | None, prompts: Sequence[Prompt], chat_template: bool, min_tokens: int = 1
-) -> list[list[int]]:
-    """Token ids of every prompt; a prompt that is too short is named by its index."""
+def prompt_token_ids(tokenizer: Any | None, prompts: Sequence[Prompt], chat_template: bool) -> list[list[int]]:
+    """Token ids of every prompt; an empty one is named by its index (every stack takes one-token prompts)."""
     if not prompts:
         raise PromptError("no prompts to decode")
     ids = [encode_prompt(tokenizer, p, chat_template) for p in prompts]
     for i, (prompt, tokens) in enumerate(zip(prompts, ids)):
-        if len(tokens) < min_tokens:
-            raise PromptError(
-                f"prompt {i} ({prompt!r:.40}) has {len(tokens)} token(s); this stack needs at least {min_tokens}"
-            )
+        if not tokens:
+            raise PromptError(f"prompt {i} ({prompt!r:.40}) has no tokens")
     return ids
 
 

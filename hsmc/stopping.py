@@ -35,6 +35,17 @@ class StopCriteria:
                     return length
         return None
 
+    def append(self, generated: list[int], new: list[int], max_new_tokens: int) -> str | None:
+        """Append `new` to `generated` up to the output's end; returns the finish reason ("stop", "length") if
+        these tokens ended it, else None. Tokens run up to the one that stops (it is kept)."""
+        before = len(generated)
+        generated += new[: max_new_tokens - before]
+        cut = self.first_stop(generated, before)
+        if cut is not None:
+            del generated[cut:]
+            return "stop"
+        return "length" if len(generated) == max_new_tokens else None
+
     def trim(self, text: str) -> str:
         """The text up to (not including) the first stop string."""
         cut = min((i for i in (text.find(s) for s in self.strings) if i >= 0), default=len(text))

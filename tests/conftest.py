@@ -89,6 +89,19 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> Path
     return folder
 
 
+def save_tokenizer(folder: Path, tokens: list[str], eos: str | None = None) -> Path:
+    """Save a byte-level BPE tokenizer next to a tiny model: token i is `tokens[i]`, written in GPT-2's byte
+    alphabet ("a" is the byte a; `ByteLevel.alphabet()` covers all 256), so generated ids decode to text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from hsmc.models.demo import demo_model_folder

@@ -36,10 +36,15 @@ def _stack(head, verifier, draft_t, target_t, gamma=3, top=None, rows=16):
 
 
 @pytest.mark.parametrize("draft_t", [0.0, 1.0])
-def test_temperature_zero_equals_verifier_greedy(verifier_and_head, draft_t):
+@pytest.mark.parametrize(
+    "prompts",
+    [[[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4], [8]], [[3], [60]]],
+    ids=["mixed-lengths", "one-token-prompts"],
+)
+def test_temperature_zero_equals_verifier_greedy(verifier_and_head, draft_t, prompts):
+    """A one-token prompt has no (feature, token) pair yet: the head drafts uniformly until the first verify."""
     verifier, head = verifier_and_head
     decoder = _stack(head, verifier, draft_t, 0.0)
-    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
     results = decoder.generate(prompts, max_new_tokens=20, ignore_eos=True)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == _hf_greedy(verifier, prompt, 20)
@@ -86,15 +91,45 @@ def test_forked_rows_keep_their_own_head_state(verifier_and_head):
     for _ in range(6):
         rejection.propose(rows, 1)
         rejection.commit(rows, 1)
+    _assert_head_matches_a_fresh_one(decoder, head, verifier, range(3))
+    assert len({tuple(eagle.state.seq[r, :12].tolist()) for r in range(3)}) == 3
+
+
+def _assert_head_matches_a_fresh_one(decoder, head, verifier, rows):
+    """Each row's head output equals that of a fresh head that saw only the row's committed tokens."""
+    eagle = decoder.stack.levels[0]
     fresh = _stack(head, verifier, 0.0, 0.0)
     f_eagle, f_rejection = fresh.stack.levels
-    for r in range(3):
+    for r in rows:
         committed = eagle.state.seq[r, : int(eagle.state.seq_len[r])].tolist()
         one = torch.tensor([r])
         f_rejection.load_prompts(one, [committed])
         f_rejection.prefill(one)
         assert torch.allclose(eagle.last_logits[r], f_eagle.last_logits[r], atol=1e-4), f"row {r}"
-    assert len({tuple(eagle.state.seq[r, :12].tolist()) for r in range(3)}) == 3
+
+
+def test_cut_ending_on_the_verifiers_pending_token_is_bridged_then_replaced(verifier_and_head):
+    """A level above the verifier (smc, a rejection level) may keep every token the verifier emitted, the last
+    of which the verifier has not processed (no feature yet), and append its own. The head bridges that pair
+    with its own output; once the verifier's feature arrives, the head must hold exactly the pairs a fresh
+    head builds from the committed tokens (a stale ring entry used as the feature would stay in its KV)."""
+    verifier, head = verifier_and_head
+    above = {"kind": "rejection", "model": str(verifier), "temperature": 0.0}  # whose accepts are played here
+    decoder = _stack(head, verifier, 0.0, 0.0, top=above)
+    rejection = decoder.stack.levels[1]
+    rows = torch.tensor([0, 1])
+    rejection.load_prompts(rows, [[5, 9, 13, 17], [3]])
+    rejection.prefill(rows)
+    for _ in range(3):
+        rejection.propose(rows, 1)
+        rejection.commit(rows, 1)
+    everything = rejection.state.seq_len[rows]
+    assert (rejection.state.kv_len[rows] == everything - 1).all(), "the last emitted token is still pending"
+    rejection.accept(rows, everything, torch.tensor([30, 31]))
+    for _ in range(4):
+        rejection.propose(rows, 1)
+        rejection.commit(rows, 1)
+    _assert_head_matches_a_fresh_one(decoder, head, verifier, [0, 1])
 
 
 def test_three_level_stack_with_resampling_leaks_nothing(verifier_and_head, tmp_path):

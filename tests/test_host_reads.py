@@ -1,8 +1,8 @@
 """Host reads in the decode loop, counted on the CPU: what would be a device->host sync on a GPU.
 
-A TorchDispatchMode sees every aten op; the ones that hand a tensor's value to Python (`.item()`,
-`int(t)` and `bool(t)` all reach `_local_scalar_dense`), produce a data-dependent shape (`nonzero`,
-`masked_select`, boolean-mask indexing) are counted, and so is `Tensor.tolist`. The reads of a run
+A TorchDispatchMode sees every aten op; the ones that produce a data-dependent shape (`nonzero`,
+`masked_select`, boolean-mask indexing) or hand a value to Python (`_local_scalar_dense`) are counted,
+and so are the Tensor methods that convert to Python (`tolist`, `item`, `bool(t)`, `int(t)`, ...). The reads of a run
 that do not depend on its length (admission, prefill, final statistics) cancel out by taking the
 difference of two runs that differ only in the number of steps.
 """
@@ -27,29 +27,44 @@ def _is_boolean_index(func, args) -> bool:
 
 
 class HostReadCounter(TorchDispatchMode):
+    """Counts host reads; the Python conversions are counted where they are called, because under
+    `torch.inference_mode` their `_local_scalar_dense` never reaches a dispatch mode."""
+
+    CONVERSIONS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
-        self._tolist = torch.Tensor.tolist
+        self._converting = False
+        self._methods = {name: getattr(torch.Tensor, name) for name in self.CONVERSIONS}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in SYNCING or _is_boolean_index(func, args):
+        if not self._converting and (func in SYNCING or _is_boolean_index(func, args)):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        counter, tolist = self, self._tolist
-
-        def counting_tolist(t):
-            counter.count += 1
-            return tolist(t)
-
-        torch.Tensor.tolist = counting_tolist
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, self._counted(method))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, method)
         return super().__exit__(*exc)
+
+    def _counted(self, method):
+        def counted(tensor, *args):
+            if self._converting:
+                return method(tensor, *args)
+            self.count += 1
+            self._converting = True
+            try:
+                return method(tensor, *args)
+            finally:
+                self._converting = False
+
+        return counted
 
 
 def reads_and_steps(decoder: HierarchicalDecoder, prompts, new_tokens: int) -> tuple[int, int]:
@@ -90,13 +105,20 @@ def test_model_top_reads_once_per_decode_step(models):
     assert long_reads - short_reads <= long_steps - short_steps
 
 
-@pytest.mark.parametrize("draft_t", [0.0, 0.8], ids=["greedy-drafts", "sampled-drafts"])
-def test_rejection_top_reads_once_per_verify_cycle(models, draft_t):
+@pytest.mark.parametrize(
+    "draft_t,hierarchy",
+    [(0.0, False), (0.8, False), (0.8, True)],
+    ids=["greedy-drafts", "sampled-drafts", "over-rejection"],
+)
+def test_rejection_top_reads_once_per_verify_cycle(models, draft_t, hierarchy):
+    """Also for a rejection level drafting from another: the lower one runs a host-known number of cycles."""
     draft, target = models
     levels = [
         {"kind": "model", "model": str(draft), "temperature": draft_t},
         {"kind": "rejection", "model": str(target), "temperature": 0.8, "num_draft_tokens": 3},
     ]
+    if hierarchy:
+        levels.insert(1, {"kind": "rejection", "model": str(draft), "temperature": 0.9, "num_draft_tokens": 2})
     decoder = HierarchicalDecoder.from_config({"levels": levels})
     short_reads, short_steps = reads_and_steps(decoder, PROMPTS, 6)
     long_reads, long_steps = reads_and_steps(decoder, PROMPTS, 30)
@@ -136,3 +158,40 @@ def test_verifier_forwards_follow_the_slowest_row_not_the_sum(models):
     assert forwards - 1 - 1 == max(alone)
     singles = [decoder.generate([p], max_new_tokens=24, ignore_eos=True)[0].token_ids for p in prompts]
     assert [r.token_ids for r in together] == singles
+
+
+def test_smc_top_reads_twice_per_cycle(models):
+    """An smc cycle reads its new tokens (stop checks need them), then the live groups' ESS together with their
+    would-be ancestors: two reads, whether or not a group resamples."""
+    draft, target = models
+    levels = [
+        {"kind": "model", "model": str(draft), "temperature": 1.0},
+        {
+            "kind": "smc",
+            "model": str(target),
+            "temperature": 1.0,
+            "particles": 4,
+            "block_size": 3,
+            "ess_threshold": 0.9,
+        },
+    ]
+    decoder = HierarchicalDecoder.from_config({"levels": levels})
+    top = decoder.stack.top
+    cycle = top._cycle
+    counts = []
+    for new_tokens in (9, 41):
+        cycles = 0
+
+        def counted(*args):
+            nonlocal cycles
+            cycles += 1
+            return cycle(*args)
+
+        top._cycle = counted
+        with HostReadCounter() as counter:
+            decoder.generate(PROMPTS, max_new_tokens=new_tokens, ignore_eos=True)
+        counts.append((counter.count, cycles, top.resamples))
+    del top._cycle
+    (short_reads, short_cycles, short_resamples), (long_reads, long_cycles, long_resamples) = counts
+    assert long_cycles > short_cycles and long_resamples > short_resamples
+    assert long_reads - short_reads <= 2 * (long_cycles - short_cycles)

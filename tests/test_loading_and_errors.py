@@ -162,13 +162,3 @@ def test_yaml_file_with_overrides(tmp_path):
     path.write_text("levels:\n  - kind: model\n    model: some/model\ngeneration:\n  max_new_tokens: 10\n")
     cfg = load_config(path, ["generation.max_new_tokens=7", "levels.0.temperature=0.5"])
     assert (cfg.generation.max_new_tokens, cfg.levels[0].temperature, cfg.levels[0].model) == (7, 0.5, "some/model")
-
-
-@pytest.mark.slow
-def test_gguf_file_loads_the_same_weights_as_the_converted_folder(smollm2_dir):
-    """The GGUF path (transformers' loader, dequantized) and the cached safetensors folder agree."""
-    from hsmc.models.demo import cache_dir
-
-    gguf = load_model(str(cache_dir() / DEMO_MODELS["smollm2-135m-instruct"].member.split("/")[-1]))
-    assert gguf.tokenizer is not None and gguf.tokenizer.chat_template
-    assert _same_weights(gguf.model, load_model(str(smollm2_dir)).model)

@@ -193,3 +193,62 @@ def test_feature_reading_drafter_receives_the_verifiers_residual_streams(pair):
         for position in range(len(seq) - 1):  # the newest token is still pending
             got = drafter.seen[(row, position)]
             assert (got - expected[position]).abs().max() < 1e-4, (row, position)
+
+
+def _hierarchy(bottom, mid, top, temperatures, gammas=(2, 3), rows=16, mid_layers=None):
+    """[model bottom, rejection mid, rejection top]: a rejection level drafting for another (TriForce-style)."""
+    t_bottom, t_mid, t_top = temperatures
+    return HierarchicalDecoder.from_config(
+        {
+            "levels": [
+                {"kind": "model", "model": str(bottom), "temperature": t_bottom},
+                {
+                    "kind": "rejection",
+                    "model": str(mid),
+                    "temperature": t_mid,
+                    "num_draft_tokens": gammas[0],
+                    "num_layers": mid_layers,
+                },
+                {"kind": "rejection", "model": str(top), "temperature": t_top, "num_draft_tokens": gammas[1]},
+            ],
+            "engine": {"kv_capacity_tokens": 16 * max(rows, 512), "max_batch_rows": rows},
+        }
+    )
+
+
+@pytest.mark.parametrize("mid_t,gammas", [(0.0, (2, 5)), (1.0, (3, 3))], ids=["greedy-mid", "sampled-mid"])
+def test_rejection_over_rejection_temperature_zero_equals_top_greedy(pair, mid_t, gammas):
+    """The mid level is the top model cut to 3 layers, so its drafts are often but not always right; with
+    γ_top > γ_mid + 1 it runs two cycles per top cycle."""
+    draft, target = pair
+    decoder = _hierarchy(draft, target, target, (1.0, mid_t, 0.0), gammas, mid_layers=3)
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3]]
+    results = decoder.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == _hf_greedy(target, prompt, 24)
+    top_accepted = results[0].stats["levels"][2]["mean_accepted_length"]
+    assert 1.0 < top_accepted < gammas[1] + 1, "the mid level's drafts should be partly accepted"
+    assert_pools_empty(decoder)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_mid(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("mid") / "mid", seed=5, vocab_size=VOCAB, eos_token_id=5)
+
+
+@pytest.mark.parametrize(
+    "temperatures", [(1.0, 0.8, 1.0), (0.0, 0.0, 1.0)], ids=["sampled-drafters", "greedy-drafters"]
+)
+def test_rejection_over_rejection_is_lossless_in_distribution(small_vocab_pair, small_vocab_mid, temperatures):
+    """The top level verifies the mid level's drafts against the mid model's full distribution (sampled) or
+    as one-hot greedy tokens: its output must be distributed exactly as its own model."""
+    draft, target = small_vocab_pair
+    prompt, n_samples = [1, 4, 2], 20_000
+    decoder = _hierarchy(draft, small_vocab_mid, target, temperatures, gammas=(2, 2), rows=1024)
+    results = decoder.generate([prompt] * n_samples, max_new_tokens=3, ignore_eos=True, seed=17)
+    samples = [tuple(r.token_ids) for r in results]
+    assert _chi2_pvalue(samples, _exact_first_tokens(target, prompt, 3)) > 1e-3
+    mid_t = max(temperatures[1], 1.0)
+    assert _chi2_pvalue(samples, _exact_first_tokens(small_vocab_mid, prompt, 3, mid_t)) < 1e-6  # power
+    assert results[0].stats["levels"][2]["mean_accepted_length"] > 1.05, "the mid level's drafts should be used"
+    assert_pools_empty(decoder)

@@ -11,9 +11,7 @@ from scipy.stats import chisquare
 
 from hsmc.engine.sampler import gumbel_noise
 from hsmc.smc.resampling import multinomial_ancestors, select_particle, systematic_ancestors
-from hsmc.smc.weights import effective_sample_size, weight_increments
-
-EOS = 3
+from hsmc.smc.weights import effective_sample_size, log_normalizer, weight_increments
 
 
 def _logsumexp(xs: list[float]) -> float:
@@ -26,16 +24,14 @@ def _log_softmax(xs: list[float]) -> list[float]:
     return [x - z for x in xs]
 
 
-def _reference_delta(logits, drafts, logq, bonus, finished, alpha, temp) -> float:
-    """DESIGN.md §3, written out one particle at a time."""
-    if finished:
-        return 0.0
+def _reference_delta(logits, drafts, logq, kept, alpha, temp) -> float:
+    """DESIGN.md §3, written out one particle at a time: the first `kept` of [d_1..d_K, bonus] count."""
     k = len(drafts)
     total = 0.0
-    for j in range(k):
+    for j in range(min(kept, k)):
         total += alpha * _log_softmax([x / temp for x in logits[j]])[drafts[j]] - logq[j]
-        if drafts[j] == EOS:
-            return total
+    if kept <= k:
+        return total
     last = [x / temp for x in logits[k]]
     return total + _logsumexp([alpha * x for x in last]) - alpha * _logsumexp(last)
 
@@ -46,28 +42,25 @@ def test_weight_increments_match_reference(alpha, temp):
     n, k, v = 7, 4, 6
     logits = torch.randn(n, k + 1, v, generator=gen) * 2
     drafts = torch.randint(0, v, (n, k), generator=gen)
-    drafts[1, 0] = EOS  # EOS at the first draft
-    drafts[2, 3] = EOS  # at the last draft
-    drafts[3] = torch.tensor([0, 1, 2, 4])
-    bonus = torch.randint(0, v, (n,), generator=gen)
-    bonus[3] = EOS  # EOS only at the bonus
     logq = -torch.rand(n, k, generator=gen) * 3
-    finished = torch.zeros(n, dtype=torch.bool)
-    finished[5] = True
-    got = weight_increments(logits, drafts, logq, bonus, finished, torch.tensor([EOS]), alpha, temp)
+    kept = torch.tensor([5, 1, 4, 5, 2, 3, 5])  # the output ends at the 1st .. 4th draft, or runs on
+    got = weight_increments(logits, drafts, logq, kept, alpha, temp)
     assert got.dtype == torch.float64
     for i in range(n):
         ref = _reference_delta(
-            logits[i].double().tolist(),
-            drafts[i].tolist(),
-            logq[i].double().tolist(),
-            int(bonus[i]),
-            bool(finished[i]),
-            alpha,
-            temp,
+            logits[i].double().tolist(), drafts[i].tolist(), logq[i].double().tolist(), int(kept[i]), alpha, temp
         )
         assert got[i].item() == pytest.approx(ref, abs=1e-9), f"particle {i}"
-    assert got[5] == 0
+
+
+def test_log_normalizer_is_the_power_draws_weight():
+    """Drawing x from softmax(α·ℓ/T) instead of p_T(x)^α leaves exactly the weight Σ_x p_T(x)^α."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 7, generator=gen) * 2
+    for alpha, temp in [(1.0, 0.9), (2.0, 0.7), (0.5, 1.3)]:
+        p = torch.softmax(logits.double() / temp, -1)
+        assert torch.allclose(log_normalizer(logits, alpha, temp), (p**alpha).sum(-1).log(), atol=1e-12)
+    assert log_normalizer(logits, 1.0, 0.8).abs().max() < 1e-12
 
 
 def test_proposal_equal_to_target_with_alpha_one_gives_zero_weights():
@@ -75,10 +68,7 @@ def test_proposal_equal_to_target_with_alpha_one_gives_zero_weights():
     logits = torch.randn(5, 4, 9, generator=gen)
     drafts = torch.randint(4, 9, (5, 3), generator=gen)
     logq = torch.log_softmax(logits[:, :3].double() / 0.8, -1).gather(-1, drafts[..., None]).squeeze(-1)
-    bonus = torch.randint(4, 9, (5,), generator=gen)
-    delta = weight_increments(
-        logits, drafts, logq, bonus, torch.zeros(5, dtype=torch.bool), torch.tensor([EOS]), 1.0, 0.8
-    )
+    delta = weight_increments(logits, drafts, logq, torch.tensor([4, 4, 1, 2, 3]), 1.0, 0.8)
     assert delta.abs().max() < 1e-12
 
 

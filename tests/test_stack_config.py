@@ -53,15 +53,36 @@ M = {"kind": "model", "model": "m", "temperature": 1.0}
         (_levels(M, {"kind": "smc", "model": "t", "temperature": 0.0}), r"levels\[1\].temperature must be positive"),
         (_levels(M, {"kind": "smc", "model": "t", "temperature": 1.0, "resampling": "stratified"}), "resampling"),
         (_levels(M, {"kind": "rejection", "model": "t", "num_draft_tokens": 0}), r"levels\[1\].num_draft_tokens"),
-        (_levels(M, {"kind": "rejection", "model": "t"}, {"kind": "rejection", "model": "u"}), "directly below"),
+        (_levels(M, M), r"levels\[1\].kind='model' drafts at the bottom: it samples on its own"),
         (_levels({**M, "num_layers": 0}), r"levels\[0\].num_layers"),
-        (_levels({"kind": "eagle3", "model": "h"}, M), "directly under a rejection level"),
+        (_levels({"kind": "eagle3", "model": "h"}, M), "directly under a rejection or smc level"),
+        (_levels({"kind": "eagle3", "model": "h"}), "directly under a rejection or smc level"),
         (_levels(M, {"kind": "eagle3", "model": "h"}), r"levels\[1\].kind='eagle3' drafts at the bottom"),
     ],
 )
 def test_invalid_stacks(cfg, message):
     with pytest.raises(ConfigError, match=message):
         load_config(cfg)
+
+
+R = {"kind": "rejection", "model": "r", "temperature": 1.0}
+SMC = {"kind": "smc", "model": "t", "temperature": 1.0}
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        (M, R, R),
+        (M, {**R, "temperature": 0.0}, R),
+        (M, R, R, SMC),
+        ({"kind": "eagle3", "model": "h", "temperature": 1.0}, R, R, R, SMC),
+        (M, SMC),
+        ({"kind": "eagle3", "model": "h", "temperature": 1.0}, SMC),
+    ],
+    ids=lambda levels: "-".join(level["kind"] for level in levels),
+)
+def test_stacks_of_any_depth_validate(kinds):
+    assert [lc.kind for lc in load_config(_levels(*kinds)).levels] == [level["kind"] for level in kinds]
 
 
 def test_models_with_different_vocabularies_are_refused(tmp_path):

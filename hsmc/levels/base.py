@@ -3,7 +3,8 @@
 A level is a sampler with known log-probabilities. Between levels all positions are absolute
 (the prompt occupies the same positions everywhere), so the conversation is a few calls:
 
-- `propose(rows, k)`: k more tokens after what the caller has acknowledged, with log q.
+- `propose(rows, k)`: k more tokens after what the caller has acknowledged, with log q. A verifier
+  above asks `at_most=True`: a level may then hand fewer (at least 1) per row, without host reads.
 - `commit(rows, n)`: the caller keeps the first n proposed tokens and adds nothing.
 - `accept(rows, keep_len, next_token)`: the caller keeps the row's first `keep_len` tokens and
   appends `next_token` (a correction or bonus this level may not have proposed). The level drops
@@ -43,6 +44,11 @@ class StepOutput:
     start: torch.Tensor  # [R] position of the first processed token
     features: torch.Tensor | None  # [R, W, n·H]: residual streams at the runner's capture layers, concatenated
 
+    def take(self, index: torch.Tensor) -> StepOutput:
+        """Row index[i]'s outputs as row i (e.g. a prompt's forward for each of its particles)."""
+        features = None if self.features is None else self.features[index]
+        return StepOutput(self.logits[index], self.count[index], self.start[index], features)
+
     def last(self, n: int) -> torch.Tensor:
         """The last n valid logits of each row: [R, n, V]."""
         idx = (self.count[:, None] - n + torch.arange(n, device=self.count.device)).clamp_min(0)
@@ -53,7 +59,9 @@ class StepOutput:
 class Proposal:
     tokens: torch.Tensor  # int64 [R, k]
     logq: torch.Tensor  # float [R, k]: log-prob of each token under the level's guaranteed distribution
-    logprobs: torch.Tensor | None  # float [R, k, V]: that full distribution; None = deterministic (one-hot)
+    logprobs: torch.Tensor | None  # float [R, k, V]: that full distribution; None = deterministic (one-hot),
+    # or, from a rejection level asked for exactly k (under smc, which reads logq only), not kept
+    count: torch.Tensor | None = None  # int64 [R]: tokens[i, :count[i]] are proposals (at_most); None = all k
 
 
 @dataclass
@@ -75,7 +83,7 @@ class Level(Protocol):
         """Process the prompt; `features` as in `accept` (the verifier's prompt forward)."""
         ...
 
-    def propose(self, rows: torch.Tensor, k: int) -> Proposal: ...
+    def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal: ...
     def commit(self, rows: torch.Tensor, n: int) -> None: ...
     def accept(
         self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
@@ -147,8 +155,10 @@ class TokenRows:
         self.len_bound = min(self.len_bound, bound)
 
     def copy_rows(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        seq, seq_len = self.seq[src_rows], self.seq_len[src_rows]  # advanced indexing copies: overlap-safe
-        self.seq[dst_rows], self.seq_len[dst_rows] = seq, seq_len
+        """dst ← src, up to the length bound (a row's tail past its length is never read)."""
+        width = min(self.len_bound + 1, self.capacity + 1)
+        seq, seq_len = self.seq[src_rows, :width], self.seq_len[src_rows]  # advanced indexing copies: overlap-safe
+        self.seq[dst_rows, :width], self.seq_len[dst_rows] = seq, seq_len
 
 
 class SequenceState(TokenRows):

@@ -5,8 +5,13 @@ x_{t+2}. After every verify the rejection level hands over its captured features
 processes the newly committed pairs at once, and the output at the last one gives the first draft.
 Further draft steps feed back the head's own pre-norm hidden state instead of f; those provisional
 KV entries are rolled back when the verifier's real features arrive. Features of the last
-`feature_window` positions are kept per row, so a level further up (SMC) may cut the row back a
-little and the head re-processes the last pair with the new token. The head runs through the same
+`feature_window` positions are kept per row, so a level further up (SMC, a rejection level above
+the verifier) may cut the row back a little and the head re-processes the last pair with the new
+token. Such a cut may also end on a token the verifier has not processed yet (its own last emitted
+one): the pair holding it is then bridged provisionally, fed the head's own output like a draft
+step, until the verifier's features for it arrive. A one-token prompt has no pair at all: the
+head drafts uniformly over its vocabulary until the first verify (drafts are only proposals, so
+any q that is reported truthfully keeps the verifier lossless). The head runs through the same
 `ModelRunner` as every model (its own block tables, KV cache and graphs).
 """
 
@@ -32,43 +37,57 @@ class Eagle3Level:
         max_rows: int,
         capacity: int,
         max_new_pairs: int,
+        max_bridged: int,
         temperature: float,
         generator: torch.Generator,
         feature_window: int = 64,
     ) -> None:
-        """`max_new_pairs`: most pairs one accept commits (γ + 1 under a rejection level with γ drafts)."""
+        """`max_new_pairs`: most pairs one verify commits (γ + 1 under a rejection level with γ drafts).
+        `max_bridged`: most pairs that may lack the verifier's feature after an accept from further up: one
+        per level above the verifier (each appends a token its verifier has not processed yet)."""
         self.runner, self.head, self.embed = runner, runner.module, embed
         device = runner.device
         cfg = self.head.config
         self.feature_layers = feature_layers
         self.max_new_pairs = max_new_pairs
+        self.max_bridged = max_bridged
         self.temperature, self.generator = temperature, generator
         self.state = TokenRows(max_rows, capacity, device)
         self.timer = ForwardTimer(device)
         h, dtype = cfg.hidden_size, self.head.fc.weight.dtype
         self.window = feature_window
         self.features = torch.zeros(max_rows, feature_window + 1, 3 * h, dtype=dtype, device=device)  # + trash
+        self.feature_len = torch.zeros(max_rows, dtype=torch.int64, device=device)  # features known below it
+        # head output at the last feature-based pair, and at the end of the head's KV (where drafting goes on)
+        self.final_hidden = torch.zeros(max_rows, h, dtype=dtype, device=device)
+        self.final_logits = torch.zeros(max_rows, cfg.vocab_size, dtype=torch.float32, device=device)
         self.last_hidden = torch.zeros(max_rows, h, dtype=dtype, device=device)
         self.last_logits = torch.zeros(max_rows, cfg.vocab_size, dtype=torch.float32, device=device)
         self.final_len = torch.zeros(max_rows, dtype=torch.int64, device=device)  # feature-based pairs in KV
         self.target_ids = self.head.to_target_ids(torch.arange(self.head.draft_vocab_size, device=device))
+        self.no_pair_logits = self._full_vocab(torch.zeros(1, self.head.draft_vocab_size, device=device))[0]
         self.proposed = 0
 
     # -- the Level interface ---------------------------------------------------------------
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
-        if any(len(p) < 2 for p in prompts):
-            raise ValueError("an eagle3 drafter needs prompts of at least 2 tokens (its first pair is (f_0, x_1))")
         self.state.load_prompts(rows, prompts)
-        self.final_len.index_fill_(0, rows, 0)
+        for length in (self.final_len, self.feature_len):
+            length.index_fill_(0, rows, 0)
+        self.final_hidden.index_fill_(0, rows, 0.0)
+        self.final_logits[rows] = self.no_pair_logits
 
     def prefill(self, rows: torch.Tensor, features: StepOutput | None = None) -> None:
+        """Process the prompt's pairs from the verifier's prompt forward (which leaves the last token pending;
+        a one-token prompt brings no feature and no pair)."""
         if features is None:
             raise ValueError("an eagle3 level must sit directly under a rejection level (it reads its features)")
         upto = self.state.seq_len[rows] - 1
-        self._store(rows, features, upto)
-        self._process_pairs(rows, upto, features.features.shape[1], prompt_features=features.features)
+        if features.features is not None:
+            self._store(rows, features, upto)
+            self._process_pairs(rows, upto, features.features.shape[1], prompt_features=features.features)
+        self.last_hidden[rows], self.last_logits[rows] = self.final_hidden[rows], self.final_logits[rows]
 
-    def propose(self, rows: torch.Tensor, k: int) -> Proposal:
+    def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
         tokens, logq, logprobs = [], [], []
         for step in range(k):
             if step:
@@ -92,16 +111,27 @@ class Eagle3Level:
         self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
     ) -> None:
         self.state.set_token(rows, keep_len, next_token)
+        self.feature_len[rows] = torch.minimum(self.feature_len[rows], keep_len)
         if features is not None:
             self._store(rows, features, keep_len)
         # keep only feature-based pairs whose next token is still right: positions < keep_len - 1
         valid = torch.minimum(self.final_len[rows], keep_len - 1)
-        self.runner.tables.truncate(rows, valid, max_drop=self.proposed + self.max_new_pairs)
+        provisional = self.proposed + self.max_bridged  # draft steps and bridged pairs past final_len
+        self.runner.tables.truncate(rows, valid, max_drop=provisional + self.max_new_pairs)
         self.final_len[rows] = valid
-        self._process_pairs(rows, keep_len, self.max_new_pairs)
+        if features is not None:  # from the verifier: every pair up to keep_len has its feature now
+            self._process_pairs(rows, keep_len, self.max_new_pairs + self.max_bridged)
+            return
+        known = torch.minimum(self.feature_len[rows], keep_len)  # pairs t < known have their feature
+        torch._assert_async(
+            (known >= keep_len - self.max_bridged).all(), "eagle3: more pairs lack features than levels"
+        )
+        self._process_pairs(rows, known, 1)
+        self._bridge(rows, known, keep_len)
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        copies = [(t, t[src_rows]) for t in (self.features, self.last_hidden, self.last_logits, self.final_len)]
+        per_row = (self.features, self.feature_len, self.final_hidden, self.final_logits, self.final_len)
+        copies = [(t, t[src_rows]) for t in (*per_row, self.last_hidden, self.last_logits)]
         self.state.copy_rows(src_rows, dst_rows)
         self.runner.tables.copy_block_table(src_rows, dst_rows, self.state.len_bound)
         for tensor, value in copies:
@@ -109,8 +139,8 @@ class Eagle3Level:
 
     def release(self, rows: torch.Tensor) -> None:
         self.runner.tables.release(rows, self.state.len_bound)
-        self.state.seq_len.index_fill_(0, rows, 0)
-        self.final_len.index_fill_(0, rows, 0)
+        for length in (self.state.seq_len, self.final_len, self.feature_len):
+            length.index_fill_(0, rows, 0)
 
     def set_len_bound(self, bound: int) -> None:
         self.state.bound_lengths(bound)
@@ -130,13 +160,16 @@ class Eagle3Level:
         valid &= positions >= (upto - self.window)[:, None]
         cols = torch.where(valid, positions % self.window, self.window)
         self.features[rows[:, None], cols] = features.features.to(self.features.dtype)
+        stored_end = torch.minimum(features.start + features.count, upto)  # the verifier runs on from feature_len
+        self.feature_len[rows] = torch.maximum(self.feature_len[rows], stored_end)
 
     def _process_pairs(
         self, rows: torch.Tensor, upto: torch.Tensor, width: int, prompt_features: torch.Tensor | None = None
     ) -> None:
-        """Run the head over pairs (f_t, x_{t+1}) for t in [final_len, upto) (at most `width` of them); keep
-        the output at the last one. Features come from the ring, or for the prompt (which may be longer
-        than the ring) straight from the verifier's prefill output, whose positions start at 0 like the pairs."""
+        """Run the head over pairs (f_t, x_{t+1}) for t in [final_len, upto) (at most `width` of them); the
+        output at the last one becomes the final and the last output (rows with no new pair keep their final
+        one). Features come from the ring, or for the prompt (which may be longer than the ring) straight
+        from the verifier's prefill output, whose positions start at 0 like the pairs."""
         if width <= 0:
             return
         start = self.final_len[rows]
@@ -150,9 +183,26 @@ class Eagle3Level:
             torch._assert_async((start >= upto - self.window).all(), "eagle3 feature window exceeded")
             feats = self.features[rows[:, None], safe % self.window]
         out, logits = self._forward(rows, tokens, self.head.fc(feats.to(self.features.dtype)), count)
-        self.last_hidden[rows] = out[:, 0]
-        self.last_logits[rows] = self._full_vocab(logits[:, 0])
+        new = (count > 0)[:, None]
+        self.final_hidden[rows] = torch.where(new, out[:, 0], self.final_hidden[rows])
+        self.final_logits[rows] = torch.where(new, self._full_vocab(logits[:, 0]), self.final_logits[rows])
+        self.last_hidden[rows], self.last_logits[rows] = self.final_hidden[rows], self.final_logits[rows]
         self.final_len[rows] = upto
+
+    def _bridge(self, rows: torch.Tensor, known: torch.Tensor, keep_len: torch.Tensor) -> None:
+        """Pairs t in [known, keep_len) lack the verifier's f_t: provisional pairs fed the head's own output at
+        t - 1 instead (like draft steps), so drafting starts after the newest token; rolled back at the next
+        accept, which re-processes them once their features have arrived."""
+        hidden = self.final_hidden[rows]
+        for j in range(self.max_bridged):
+            missing = known + j < keep_len
+            token = self.state.seq[rows, (known + j + 1).clamp_max(self.state.capacity)]
+            out, logits = self._forward(rows, token[:, None], hidden[:, None], missing.to(torch.int64))
+            hidden = torch.where(missing[:, None], out[:, 0], hidden)
+            self.last_hidden[rows] = hidden
+            self.last_logits[rows] = torch.where(
+                missing[:, None], self._full_vocab(logits[:, 0]), self.last_logits[rows]
+            )
 
     def _forward(
         self, rows: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor | None = None

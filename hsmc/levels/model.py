@@ -25,7 +25,7 @@ class ModelLevel:
         """Process the prompt but its last token, which stays pending for the first step."""
         self.state.forward(rows, leave_last=True, last_only=True)
 
-    def propose(self, rows: torch.Tensor, k: int) -> Proposal:
+    def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
         tokens, logq, logprobs = [], [], []
         for _ in range(k):
             last = self.state.forward(rows, last_only=True).logits[:, 0]

@@ -9,19 +9,25 @@ different amounts; rejected positions are rolled back in both models' KV.
 
 Tokens emitted beyond what the level above asked for are buffered in `seq` (surplus). The
 log-probability handed upward is the verifier's own log_softmax(ℓ/T) at each emitted token.
+
+A rejection level may draft for another one (TriForce-style `[model, rejection, rejection]`). The
+verifier above asks `at_most` γ_above tokens: this level runs ceil(γ_above / (γ+1)) cycles for all
+rows, with no host read, and hands over what they emitted (1..γ_above per row) together with its
+model's full distribution log_softmax(ℓ/T) at each of those positions, which the residual
+max(0, p − q) above needs. At T = 0 its output is its model's greedy decode: q is one-hot.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hsmc.engine.host_io import read_counters
+from hsmc.engine.host_io import PendingRead, read_counters, upload
 from hsmc.engine.sampler import gumbel_noise
 from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput
 
 
 class RejectionLevel:
-    feature_layers: tuple[int, ...] = ()  # a rejection level never drafts for another (see validation)
+    feature_layers: tuple[int, ...] = ()  # a rejection level drafting for another reads no verifier features
 
     def __init__(
         self,
@@ -54,25 +60,55 @@ class RejectionLevel:
         step = self.state.forward(rows, leave_last=True)
         self.drafter.prefill(rows, step if self.drafter.feature_layers else None)
 
-    def propose(self, rows: torch.Tensor, k: int) -> Proposal:
-        """Run cycles until every row has k unacknowledged tokens; return the first k of them."""
-        while True:
-            short = (self.state.seq_len[rows] - self.acknowledged[rows]) < k
-            if not bool(short.any()):
+    def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
+        """The k tokens after each row's acknowledged ones; `at_most` (a verifier above): up to k of them,
+        with their full distributions, from a host-known number of cycles."""
+        if at_most:
+            return self._draft(rows, k)
+        while True:  # one host read per round: which rows still hold fewer than k tokens
+            short = PendingRead((self.state.seq_len[rows] - self.acknowledged[rows]) < k).result()
+            if not any(short):
                 break
-            self._cycle(rows[short])
+            self._cycle(rows[upload(torch.tensor([i for i, s in enumerate(short) if s]), rows.device)])
         self.ahead = k + self.gamma + 1
         cols = self.acknowledged[rows][:, None] + torch.arange(k, device=rows.device)
         return Proposal(
             tokens=self.state.seq[rows[:, None], cols],
             logq=self.seq_logq[rows[:, None], cols],
-            logprobs=None,  # not kept: validation keeps a rejection level from drafting for another
+            logprobs=None,  # smc, the caller asking for exactly k, reads logq only
+        )
+
+    def _draft(self, rows: torch.Tensor, k: int) -> Proposal:
+        """Up to k tokens per row for a verifier above, with no host read. Such a caller always accepts what it
+        was proposed, so no row holds surplus here and the cycles' distributions cover every handed position."""
+        start = self.acknowledged[rows]
+        torch._assert_async((self.state.seq_len[rows] == start).all(), "rejection drafter holds surplus tokens")
+        cycles = -(-k // (self.gamma + 1))
+        width = cycles * (self.gamma + 1)
+        logprobs = None
+        if self.temperature > 0:
+            vocab = self.state.runner.module.config.vocab_size
+            logprobs = torch.zeros(len(rows), width + 1, vocab, device=rows.device)  # + a trash column
+        for _ in range(cycles):
+            base = self.state.seq_len[rows]
+            _, logp = self._cycle(rows)
+            if logprobs is not None:
+                cols = (base - start)[:, None] + torch.arange(self.gamma + 1, device=rows.device)
+                logprobs[torch.arange(len(rows), device=rows.device)[:, None], cols.clamp_max(width)] = logp
+        self.ahead = width + 1
+        count = (self.state.seq_len[rows] - start).clamp_max(k)
+        cols = start[:, None] + torch.arange(k, device=rows.device)
+        return Proposal(
+            tokens=self.state.window(rows, start, count, k),
+            logq=self.seq_logq[rows[:, None], cols.clamp_max(self.seq_logq.shape[1] - 1)],
+            logprobs=None if logprobs is None else logprobs[:, :k],
+            count=count,
         )
 
     def step(self, rows: torch.Tensor) -> Emission:
         """One draft/verify cycle for every row; all of its 1..γ+1 tokens are handed over."""
         base = self.state.seq_len[rows]
-        accepted = self._cycle(rows)
+        accepted, _ = self._cycle(rows)
         tokens = self.state.window(rows, base, accepted + 1, self.gamma + 1)
         self.acknowledged[rows] = self.state.seq_len[rows]
         return Emission(tokens, accepted + 1)
@@ -88,10 +124,11 @@ class RejectionLevel:
         self.acknowledged[rows] = keep_len + 1
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        logq, ack = self.seq_logq[src_rows], self.acknowledged[src_rows]
+        width = min(self.state.len_bound + 1, self.seq_logq.shape[1])
+        logq, ack = self.seq_logq[src_rows, :width], self.acknowledged[src_rows]
         self.state.fork(src_rows, dst_rows)
         self.drafter.fork(src_rows, dst_rows)
-        self.seq_logq[dst_rows], self.acknowledged[dst_rows] = logq, ack
+        self.seq_logq[dst_rows, :width], self.acknowledged[dst_rows] = logq, ack
 
     def release(self, rows: torch.Tensor) -> None:
         self.state.release(rows)
@@ -110,15 +147,17 @@ class RejectionLevel:
         cycles, emitted = read_counters(self.cycles, self.emitted)
         return {"mean_accepted_length": emitted / max(cycles, 1), "forward_seconds": self.state.timer.seconds()}
 
-    def _cycle(self, rows: torch.Tensor) -> torch.Tensor:
-        """One draft + verify for `rows`; returns the number of drafts each row kept."""
+    def _cycle(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft + verify for `rows`; returns the number of drafts each row kept and, at T > 0, the
+        verifier's log_softmax(ℓ/T) at the γ+1 positions from the first draft's on [R, γ+1, V]."""
         gamma = self.gamma
-        draft = self.drafter.propose(rows, gamma)
+        draft = self.drafter.propose(rows, gamma, at_most=True)
         base = self.state.seq_len[rows]
         self.state.append(rows, draft.tokens)
         step = self.state.forward(rows)
         p_logits = step.last(gamma + 1).float()  # p_1..p_{γ+1}
         accepted, token = self._verify(draft, p_logits)
+        logp = None
         if self.temperature == 0:
             emitted_logq = torch.zeros(len(rows), gamma + 1, device=rows.device)
         else:
@@ -133,15 +172,19 @@ class RejectionLevel:
         self.drafter.accept(rows, keep_len, token, step if self.drafter.feature_layers else None)
         self.cycles += len(rows)
         self.emitted += accepted.sum() + len(rows)
-        return accepted
+        return accepted, logp
 
     def _verify(self, draft: Proposal, p_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Number of kept drafts per row [R] and the token that follows them [R]."""
+        """Number of kept drafts per row [R] and the token that follows them [R]. Positions past a row's
+        draft count hold no draft (q = 0 there): a row that keeps all its drafts gets the bonus from p."""
         gamma = draft.tokens.shape[1]
         rows = torch.arange(len(draft.tokens), device=draft.tokens.device)
+        drafted = torch.ones_like(draft.tokens, dtype=torch.bool)
+        if draft.count is not None:
+            drafted = torch.arange(gamma, device=rows.device)[None, :] < draft.count[:, None]
         if self.temperature == 0:
             greedy = p_logits.argmax(-1)  # [R, γ+1]
-            keep = (greedy[:, :gamma] == draft.tokens).to(torch.int64)
+            keep = ((greedy[:, :gamma] == draft.tokens) & drafted).to(torch.int64)
             accepted = keep.cumprod(1).sum(1)
             return accepted, greedy[rows, accepted]
         p = torch.softmax(p_logits / self.temperature, -1)
@@ -149,10 +192,11 @@ class RejectionLevel:
             q = torch.zeros_like(p[:, :gamma]).scatter_(-1, draft.tokens[..., None], 1.0)
         else:
             q = draft.logprobs.float().exp()
+        q = q * drafted[..., None]
         p_d = p[:, :gamma].gather(-1, draft.tokens[..., None]).squeeze(-1)
         q_d = q.gather(-1, draft.tokens[..., None]).squeeze(-1)
         uniform = torch.rand(p_d.shape, generator=self.generator, device=p_d.device)
-        keep = (uniform * q_d < p_d).to(torch.int64)  # u < min(1, p/q)
+        keep = ((uniform * q_d < p_d) & drafted).to(torch.int64)  # u < min(1, p/q)
         accepted = keep.cumprod(1).sum(1)
         # residual at the first rejection, or p_{γ+1} when every draft was kept
         q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)

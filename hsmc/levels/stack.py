@@ -88,8 +88,15 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
             layers = capture_layers(head_config, verifier.config.num_layers)
             runner = ModelRunner(head, tables(), backend, num_layers=1, cuda_graphs=graphs)
             embed = verifier.model.embed_tokens
-            pairs = above.num_draft_tokens + 1
-            levels.append(Eagle3Level(runner, embed, layers, rows, capacity, pairs, lc.temperature, generator))
+            if above.kind == "smc" and head.draft_vocab_size < head.config.vocab_size:
+                raise ConfigError(
+                    f"levels[{i}].model={lc.model!r} drafts {head.draft_vocab_size} of the {head.config.vocab_size} "
+                    "tokens; an smc proposal must be able to propose every token (importance weights need q > 0 "
+                    "wherever p_T^alpha > 0): put a rejection level between the head and the smc level"
+                )
+            block = above.block_size if above.kind == "smc" else above.num_draft_tokens
+            pairs, bridged = block + 1, len(cfg.levels) - 2  # one per level above the verifier
+            levels.append(Eagle3Level(runner, embed, layers, rows, capacity, pairs, bridged, lc.temperature, generator))
             vocabularies.append((head.config.vocab_size, None))
             continue
         model = model_of(lc)

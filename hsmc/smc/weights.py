@@ -1,13 +1,16 @@
-"""Importance-weight increments of one SMC-SD cycle (DESIGN.md §3), and the effective sample size.
+"""Importance-weight increments of one SMC-SD cycle (DESIGN.md §3), the log-normalizer of a power
+draw, and the effective sample size.
 
 Per particle, with target logits L_0..L_K over [seed, d_1..d_K], proposal log-probs lq_j and
 power alpha at target temperature T:
     inc_j = alpha * log_softmax(L_j / T)[d_j] - lq_j                      (j < K)
     logZ  = logsumexp(alpha * L_K / T) - alpha * logsumexp(L_K / T)       (0 when alpha = 1)
-    e     = first EOS among [d_1..d_K, bonus]
-    delta = 0 if already finished, sum(inc[:e+1]) if e < K, else sum(inc) + logZ
-Scoring uses the same tempered log-probs that the bonus is sampled from (a known accuracy trap
-is scoring with T = 1), and tokens after EOS never enter the weight. Results are float64.
+    delta = sum(inc[:kept]) + (logZ if the bonus is kept, i.e. kept = K + 1)
+`kept` (1..K+1) counts the cycle's new tokens [d_1..d_K, bonus] that belong to the output: all of
+them, or those up to the token that ends it (a stop token, the token completing a stop string, the
+max_new_tokens-th token). Tokens past the end never enter the weight, so the particle system
+targets p_T^alpha over the outputs as they are returned. Scoring uses the same tempered log-probs
+that the bonus is sampled from (a known accuracy trap is scoring with T = 1). Results are float64.
 """
 
 from __future__ import annotations
@@ -15,34 +18,29 @@ from __future__ import annotations
 import torch
 
 
-def first_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
-    """Index of the first EOS in each row of `tokens` [N, M]; M where there is none."""
-    is_eos = torch.isin(tokens, eos_ids)
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return torch.where(is_eos, positions, tokens.shape[1]).min(dim=1).values
+def log_normalizer(logits: torch.Tensor, alpha: float, temperature: float) -> torch.Tensor:
+    """log Σ_x p_T(x)^alpha for each row of logits [..., V]: the weight of a token drawn from softmax(alpha·ℓ/T)
+    in place of p_T^alpha (float64; 0 when alpha = 1)."""
+    scaled = logits.double() / temperature
+    return torch.logsumexp(alpha * scaled, -1) - alpha * torch.logsumexp(scaled, -1)
 
 
 def weight_increments(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
     draft_logq: torch.Tensor,
-    bonus: torch.Tensor,
-    finished: torch.Tensor,
-    eos_ids: torch.Tensor,
+    kept: torch.Tensor,
     alpha: float,
     temperature: float,
 ) -> torch.Tensor:
-    """delta log-weight float64 [N] for target_logits [N, K+1, V], drafts/logq [N, K], bonus [N]."""
+    """delta log-weight float64 [N] for target_logits [N, K+1, V], drafts/logq [N, K] and kept [N] in 1..K+1."""
     k = draft_tokens.shape[1]
     scaled = target_logits.double() / temperature
     logp = torch.log_softmax(scaled[:, :k], dim=-1).gather(-1, draft_tokens[..., None]).squeeze(-1)
     inc = alpha * logp - draft_logq.double()
-    last = scaled[:, k]
-    log_z = torch.logsumexp(alpha * last, -1) - alpha * torch.logsumexp(last, -1)
-    e = first_eos(torch.cat([draft_tokens, bonus[:, None]], dim=1), eos_ids)
-    counted = torch.arange(k, device=inc.device)[None, :] <= e[:, None]
-    delta = (inc * counted).sum(-1) + torch.where(e >= k, log_z, 0.0)
-    return torch.where(finished, 0.0, delta)
+    counted = torch.arange(k, device=inc.device)[None, :] < kept[:, None]
+    log_z = log_normalizer(target_logits[:, k], alpha, temperature)
+    return (inc * counted).sum(-1) + torch.where(kept > k, log_z, 0.0)
 
 
 def effective_sample_size(logw: torch.Tensor) -> torch.Tensor:

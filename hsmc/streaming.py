@@ -1,0 +1,77 @@
+"""What a decoding driver hands out while it runs, and how token increments become text increments.
+
+A driver (the streaming loop of a model/rejection top, or an SMC level) yields `WaveEvent`s: tokens
+of one request that can no longer change, and on the request's last event its finish reason. For
+an SMC top those tokens are the *consensus prefix*: the longest prefix shared by all N particles of
+the request. Every particle at the end descends from one of the current particles (resampling
+copies whole particles, and tokens are only ever appended), so the output starts with it.
+
+`TextStream` turns a request's final tokens into text increments whose concatenation is always a
+prefix of the final text (`StopCriteria.trim` of the decoded tokens). It holds back what a later
+token could still change: an incomplete UTF-8 character, trailing whitespace (a tokenizer's
+clean-up may remove a space before punctuation), and a tail that could be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hsmc.stopping import StopCriteria
+
+
+@dataclass
+class WaveEvent:
+    index: int  # the request (prompt, or SMC group) within its wave
+    tokens: list[int]  # final tokens since the request's previous event
+    finish_reason: str | None = None  # "stop" or "length" on the request's last event
+    smc: Any | None = None  # an smc top's GroupResult, on the last event
+
+
+def common_prefix_length(sequences: list[list[int]], known: int = 0) -> int:
+    """Length of the longest common prefix of `sequences`, given that the first `known` tokens are shared."""
+    first, length = sequences[0], known
+    while length < len(first) and all(len(s) > length and s[length] == first[length] for s in sequences[1:]):
+        length += 1
+    return length
+
+
+class TextStream:
+    """Text increments for one request from its growing list of final tokens."""
+
+    def __init__(self, tokenizer: Any | None, stop: StopCriteria) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.emitted = ""
+
+    def final_text(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.stop.trim(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def update(self, tokens: list[int]) -> str:
+        """New text that `tokens` (all final tokens so far, the request still running) settle."""
+        if self.tokenizer is None:
+            return ""
+        text = self.final_text(tokens).rstrip("\ufffd").rstrip()
+        text = text[: len(text) - self._stop_prefix_length(text)]
+        if len(text) <= len(self.emitted) or not text.startswith(self.emitted):
+            return ""
+        new, self.emitted = text[len(self.emitted) :], text
+        return new
+
+    def finish(self, tokens: list[int]) -> str:
+        """The rest of the final text once the request has finished with `tokens`."""
+        text = self.final_text(tokens)
+        new, self.emitted = text[len(self.emitted) :], text
+        return new
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """Length of the longest tail of `text` that a stop string starts with."""
+        longest = 0
+        for s in self.stop.strings:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
