@@ -93,13 +93,13 @@ def test_num_layers_beyond_the_model(tiny, tmp_path, capsys, no_weights):
     assert _error(capsys) == f"hsmc: error: levels[0] (model): num_layers=9, but {tiny} has 5 layers"
 
 
-def test_eagle3_prompt_of_one_token_and_a_truncated_head(tiny, tmp_path, capsys, no_weights):
+def test_empty_prompt_and_a_truncated_eagle3_head(tiny, tmp_path, capsys, no_weights):
     llama = TINY_CONFIGS["llama"]
     sizes = (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], 16, 96, 101, 40)
     head, _ = published_layout(tmp_path / "head", dtype=torch.float32, sizes=sizes)
     levels = [{"kind": "eagle3", "model": str(head)}, {"kind": "rejection", "model": str(tiny)}]
-    assert _run(tmp_path, levels, "--prompts-file", _ids_file(tmp_path, [[3, 4], [5]])) == 2
-    assert _error(capsys) == "hsmc: error: prompt 1 ([5]) has 1 token(s); this stack needs at least 2"
+    assert _run(tmp_path, levels, "--prompts-file", _ids_file(tmp_path, [[3, 4], []])) == 2
+    assert _error(capsys) == "hsmc: error: prompt 1 ([]) has no tokens"
     weights = head / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])
     assert _run(tmp_path, levels, "--prompts-file", _ids_file(tmp_path, [[3, 4]])) == 2
