@@ -83,7 +83,7 @@ def hf_twin(model: DecoderLM, hf_cfg: Any) -> Any:
     return hf.eval()
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
@@ -115,9 +115,9 @@ def bench_decoder(
             return decoder.generate(ids, max_new_tokens=n, ignore_eos=True)
 
         run(min(new_tokens, 16))  # warm-up: kernels compiled, graphs captured
-        t_one = _timed(lambda: run(1))
+        t_one = timed(lambda: run(1))
         results: list = []
-        t_all = _timed(lambda: results.extend(run(new_tokens)))
+        t_all = timed(lambda: results.extend(run(new_tokens)))
         decode = b * (new_tokens - 1) / max(t_all - t_one, 1e-9)
         baseline = None
         if hf is not None:
@@ -128,8 +128,8 @@ def bench_decoder(
                     hf.generate(inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
             run_hf(4)
-            hf_one = _timed(lambda: run_hf(1))
-            hf_all = _timed(lambda: run_hf(new_tokens))
+            hf_one = timed(lambda: run_hf(1))
+            hf_all = timed(lambda: run_hf(new_tokens))
             baseline = b * (new_tokens - 1) / max(hf_all - hf_one, 1e-9)
         levels = results[0].stats["levels"]
         rows.append(BenchRow(name, b, new_tokens, decode, b * new_tokens / t_all, baseline, b * roof, levels))

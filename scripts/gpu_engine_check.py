@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from conftest import make_tiny_model  # noqa: E402
 from test_eagle_checkpoint import published_layout  # noqa: E402
 
-from hsmc.bench import copy_bandwidth, run_bench  # noqa: E402
+from hsmc.bench import copy_bandwidth, run_bench, timed  # noqa: E402
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator  # noqa: E402
 from hsmc.engine.runner import ModelRunner  # noqa: E402
@@ -441,6 +441,13 @@ def check_profile() -> None:
     for kind, us in sorted(groups.items(), key=lambda kv: -kv[1])[:12]:
         say(f"  {kind:<42}{us / 1e3:8.3f} ms {us / total:6.1%}")
     results["profile_us"] = groups
+    # forwards back to back (graph replays and their input copies, no sampling or driver): the time a step
+    # takes beyond its kernels here is the gaps inside the replay, the rest of a generate() step is outside it
+    tokens = torch.randint(0, 1000, (1, 1), device="cuda")
+    with torch.inference_mode():
+        replay = timed(lambda: [runner.forward(runner.new_tokens(rows, tokens, one, 260), True) for _ in range(100)])
+    say(f"100 decode forwards back to back: {replay * 10:.2f} ms each (kernels {total / 1e3:.2f} ms)")
+    results["replay_ms"] = replay * 10
 
 
 def main() -> None:
