@@ -165,7 +165,8 @@ def test_power_sampling_leaves_no_first_token_floor(models):
     particles = (1, 4, 16, 64)
     tv = _tv_by_particles(target, target, prompt, n_tokens, exact, particles, samples, block_size=1, alpha=alpha)
     print(f"alpha=2: TV for N = {particles}: {tv}; x0 floor {x0_floor:.3f}, sampling floor {floor:.3f}")
-    assert all(a > b for a, b in zip(tv, tv[1:])), f"TV for N = {particles}: {tv}"
+    # TV falls with N until it reaches the sampling floor, where the order of two values is noise
+    assert all(a > b or max(a, b) < 1.5 * floor for a, b in zip(tv, tv[1:])), f"TV for N = {particles}: {tv}"
     assert tv[-1] < 1.5 * floor
 
 
@@ -226,9 +227,10 @@ def test_log_z_is_unbiased(models):
 def test_resampling_happens_and_pools_return_to_empty(models):
     draft, target = models
     decoder = _smc(draft, target, draft_t=1.5, particles=8, block_size=3, ess_threshold=0.9)
-    results = decoder.generate([[1, 2, 0], [0, 1], [2]] * 4, max_new_tokens=5, seed=1)
+    # resampling is decided before a cycle: x0 and one cycle make 5 tokens, a second cycle needs 6 or more
+    results = decoder.generate([[1, 2, 0], [0, 1], [2]] * 4, max_new_tokens=9, seed=1)
     smc_stats = results[0].stats["levels"][1]
     assert smc_stats["resample_rate"] > 0.1
-    assert all(1 <= len(r.token_ids) <= 5 for r in results)
+    assert all(1 <= len(r.token_ids) <= 9 for r in results)
     assert any(r.finish_reason == "stop" for r in results) and any(r.finish_reason == "length" for r in results)
     assert_pools_empty(decoder)
