@@ -157,7 +157,7 @@ class Eagle3Level:
         self.timer.reset()
 
     def stats(self) -> dict[str, float]:
-        return {"forward_seconds": self.timer.seconds()}
+        return {"forward_seconds": self.timer.seconds(), "forwards": self.timer.count}
 
     # -- internals ------------------------------------------------------------------------
     def _store(self, rows: torch.Tensor, features: StepOutput, upto: torch.Tensor) -> None:

@@ -74,4 +74,4 @@ class ModelLevel:
         self.state.timer.reset()
 
     def stats(self) -> dict[str, float]:
-        return {"forward_seconds": self.state.timer.seconds()}
+        return {"forward_seconds": self.state.timer.seconds(), "forwards": self.state.timer.count}

@@ -162,7 +162,11 @@ class RejectionLevel:
 
     def stats(self) -> dict[str, float]:
         cycles, emitted = read_counters(self.cycles, self.emitted)
-        stats = {"mean_accepted_length": emitted / max(cycles, 1), "forward_seconds": self.state.timer.seconds()}
+        stats = {
+            "mean_accepted_length": emitted / max(cycles, 1),
+            "forward_seconds": self.state.timer.seconds(),
+            "forwards": self.state.timer.count,
+        }
         if self.fill.blocks:
             stats["mean_fill_rounds"] = self.fill.mean_rounds()
         return stats

@@ -162,6 +162,7 @@ class SMCLevel:
             "resample_rate": self.resamples / group_cycles,
             "deferred_step_rate": self.deferred / group_cycles,
             "forward_seconds": self.state.timer.seconds(),
+            "forwards": self.state.timer.count,
         }
 
     def set_len_bound(self, bound: int) -> None:
