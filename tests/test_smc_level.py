@@ -217,11 +217,11 @@ def test_stop_string_ends_a_particles_weight(models):
 
 
 def test_log_z_is_unbiased(models):
-    """E[exp(log Ẑ)] = Σ over outputs of p_T(output)^alpha. Here alpha = 2 and outputs are all 3-token
-    continuations; the cycle after x0 proposes 2 drafts + a bonus, so the length limit cuts mid-block. The
-    target is its own proposal (bounded weights: the mean resolves Z to about 1 %)."""
+    """E[exp(log Ẑ)] = Σ over outputs of p_T(output)^alpha. Here alpha = 2 and outputs are all 5-token
+    continuations: x0, a cycle of 2 drafts + a bonus, a resampling decision, and a cycle that the length
+    limit cuts mid-block. The target is its own proposal (bounded weights: the mean resolves Z to about 1 %)."""
     _, target = models
-    prompt, n_tokens, alpha, groups = [1, 2, 0], 3, 2.0, 4000
+    prompt, n_tokens, alpha, groups = [1, 2, 0], 5, 2.0, 4000
     z = math.exp(_logsumexp([alpha * sum(lp) for lp in _token_logps(target, prompt, n_tokens).values()]))
     decoder = _smc(target, target, rows=4096, particles=4, block_size=2, alpha=alpha, ess_threshold=0.9)
     results = decoder.generate([prompt] * groups, max_new_tokens=n_tokens, ignore_eos=True, seed=3)

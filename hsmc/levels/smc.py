@@ -325,6 +325,7 @@ class SMCLevel:
             target, draft, logq = step.scores
             delta = weight_increments(target, draft, logq, kept, self.params.alpha, self.params.temperature)
             self.logw.index_add_(0, rows, delta)
+            step.scores = None  # the target logits [R, K+1, V] are not needed past here
         self.generated.index_add_(0, rows, kept)
         self.finished[rows] = self.finished[rows] | (ends & counted)
 
