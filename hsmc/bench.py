@@ -1,27 +1,36 @@
 """`hsmc bench`: decode speed against the memory-bandwidth roofline, with transformers as the baseline.
 
     hsmc bench --shape qwen3-8b --batch 1,4,16 --new-tokens 256      # random weights of a real shape
-    hsmc bench --config configs/demo.yaml --batch 1,4                 # a config's stack as configured
+    hsmc bench --config configs/bench/smc_8b_32b.yaml --batch 1,4,16  # a config's stack as configured
 
-Each row of the table is one batch size: the same random token-id prompts go through hsmc and through
-transformers' eager `generate` on the *same* weights (its modules alias hsmc's tensors, so the pair
-fits where one model fits). Decode speed is measured as the difference between a run of N new tokens
-and a run of 1 (prefill and first token cancel out); the roofline is batch x copy bandwidth / weight
-bytes, since a decode step must read every weight once. Numbers, not pass/fail: this is not a test.
+For a shape, each row of the table is one batch size: the same random token-id prompts go through hsmc
+and through transformers' eager `generate` on the *same* weights (its modules alias hsmc's tensors, so
+the pair fits where one model fits). Decode speed is measured as the difference between a run of N new
+tokens and a run of 1 (prefill and first token cancel out); the roofline is batch x copy bandwidth /
+weight bytes, since a decode step must read every weight once.
+
+For a config (levels may name `random:SHAPE` models), each row is one number of requests decoded
+together: tok/s per request and over all of them, the top level's step (SMC cycle) time against its
+weight-read bound (every forward of the step reading its weights once, `hsmc.cost_model.roofline`), the
+cost model's prediction from the measured per-forward times and acceptance (and at stated accepted
+lengths of the rejection levels), and per level its share of the time, forward ms, accepted length, ESS,
+resample and deferral rates. A config on the CPU runs too (for tests). Numbers, not pass/fail.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hsmc.config import HsmcConfig, load_config
+from hsmc.cost_model import LevelCost, predict, roofline, with_accepted_length
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
 from hsmc.models.loading import DTYPES, LoadedModel
@@ -48,21 +57,47 @@ class BenchRow:
         return self.hsmc_tok_s / self.baseline_tok_s if self.baseline_tok_s else None
 
 
+@dataclass
+class StackRow:
+    """One number of requests through a config's stack (see the module docstring)."""
+
+    name: str
+    batch: int  # requests decoded together
+    new_tokens: int
+    tok_s_request: float  # decode tokens/s of one request
+    tok_s_total: float  # over all requests
+    step_ms: float  # one step of the top level (an SMC cycle), measured
+    bound_step_ms: float  # the same step with every forward reading its weights once
+    bound_tok_s_request: float
+    predicted_tok_s_request: float  # cost model from the measured per-forward times and acceptance
+    predicted_at: dict[str, float] = field(default_factory=dict)  # accepted length -> predicted tok/s per request
+    levels: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def of_bound(self) -> float:
+        return self.step_ms / self.bound_step_ms if self.bound_step_ms > 0 else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def copy_bandwidth(device: torch.device, gigabytes: float = 2.0) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written: the best of five
     timed windows after a warm-up long enough to bring the clocks up, so the roofline is not set low."""
     x = torch.empty(int(gigabytes * 2**30), dtype=torch.uint8, device=device)
     x.random_(0, 255)
     y = torch.empty_like(x)
-    for _ in range(30):
+    for _ in range(30 if device.type == "cuda" else 2):
         y.copy_(x)
     best = 0.0
     for _ in range(5):
-        torch.cuda.synchronize(device)
+        _sync(device)
         start = time.perf_counter()
         for _ in range(10):
             y.copy_(x)
-        torch.cuda.synchronize(device)
+        _sync(device)
         best = max(best, 2 * x.numel() * 10 / (time.perf_counter() - start))
     return best
 
@@ -83,11 +118,13 @@ def hf_twin(model: DecoderLM, hf_cfg: Any) -> Any:
     return hf.eval()
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
+def timed(fn, device: torch.device | None = None) -> float:
+    """Seconds `fn` takes on `device` (default: the current CUDA device), its queued work included."""
+    device = device or torch.device("cuda")
+    _sync(device)
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - start
 
 
@@ -148,11 +185,118 @@ def shape_case(shape: str, dtype: str, device: torch.device, engine: dict[str, A
     return decoder, model, hf_twin(model, hf_cfg)
 
 
-def config_case(config: HsmcConfig) -> tuple[Any, DecoderLM]:
-    from hsmc.decoder import HierarchicalDecoder
+def level_modules(decoder: Any) -> list[torch.nn.Module]:
+    """The module each level runs (an EAGLE3 level's head; every other level's model)."""
+    return [lv.runner.module if hasattr(lv, "runner") else lv.state.runner.module for lv in decoder.stack.levels]
 
-    decoder = HierarchicalDecoder(config)
-    return decoder, decoder.stack.top.state.runner.module
+
+def level_costs(decoder: Any, stats: list[dict[str, Any]]) -> list[LevelCost]:
+    """The cost model's view of a run: each level's measured forward time and acceptance."""
+    costs = []
+    for lc, level, st in zip(decoder.stack.configs, decoder.stack.levels, stats):
+        fill = getattr(level, "fill", None)
+        costs.append(
+            LevelCost(
+                kind=lc.kind,
+                forward_ms=st["forward_ms"],
+                gamma=lc.num_draft_tokens,
+                accepted_length=st.get("mean_accepted_length", 1.0),
+                fill_margin=fill.margin if fill is not None else 0,
+                block_size=lc.block_size,
+                deferral_rate=st.get("deferred_step_rate", 0.0),
+            )
+        )
+    return costs
+
+
+def bench_stack(
+    name: str,
+    decoder: Any,
+    batches: list[int],
+    prompt_tokens: int,
+    new_tokens: int,
+    bandwidth: float,
+    accepted_lengths: tuple[float, ...] = (3.5,),
+    seed: int = 0,
+) -> list[StackRow]:
+    """Time a config's stack for every number of requests; steps are counted by the top level's forwards."""
+    device = decoder.stack.generator.device
+    vocab = level_modules(decoder)[-1].config.vocab_size
+    weight_ms = [1000 * weight_bytes(m) / bandwidth for m in level_modules(decoder)]
+    has_rejection = any(lc.kind == "rejection" for lc in decoder.stack.configs)
+    rows = []
+    for b in batches:
+        g = torch.Generator().manual_seed(seed + b)
+        ids = torch.randint(0, vocab, (b, prompt_tokens), generator=g).tolist()
+        runs: list[list] = []
+
+        def run(n: int) -> None:
+            runs.append(decoder.generate(ids, max_new_tokens=n, ignore_eos=True))
+
+        run(min(new_tokens, 16))  # warm-up: kernels compiled, graphs captured
+        t_one = timed(lambda: run(1), device)
+        t_all = timed(lambda: run(new_tokens), device)
+        one, full = (r[0].stats["levels"] for r in runs[-2:])
+        decode = max(t_all - t_one, 1e-9)
+        steps = max(full[-1]["forwards"] - one[-1]["forwards"], 1)
+        tok_s_total = b * (new_tokens - 1) / decode
+        costs = level_costs(decoder, full)
+        bound = roofline(costs, weight_ms)
+        predicted_at = {}
+        if has_rejection:
+            predicted_at = {f"{a:g}": predict(with_accepted_length(costs, a)).tokens_per_s for a in accepted_lengths}
+        rows.append(
+            StackRow(
+                name=name,
+                batch=b,
+                new_tokens=new_tokens,
+                tok_s_request=tok_s_total / b,
+                tok_s_total=tok_s_total,
+                step_ms=1000 * decode / steps,
+                bound_step_ms=bound.step_ms,
+                bound_tok_s_request=bound.tokens_per_s,
+                predicted_tok_s_request=predict(costs).tokens_per_s,
+                predicted_at=predicted_at,
+                levels=full,
+            )
+        )
+    return rows
+
+
+def format_stack_table(rows: list[StackRow]) -> str:
+    lines = [
+        f"{'case':<14}{'reqs':>5}{'tok/s/req':>11}{'tok/s all':>11}{'step ms':>9}{'bound ms':>10}{'x bound':>9}"
+        f"{'bound tok/s':>12}{'model tok/s':>12}  at accepted length"
+    ]
+    for r in rows:
+        at = ", ".join(f"{a}: {v:.1f}" for a, v in r.predicted_at.items()) or "-"
+        lines.append(
+            f"{r.name:<14}{r.batch:>5}{r.tok_s_request:>11.1f}{r.tok_s_total:>11.1f}{r.step_ms:>9.2f}"
+            f"{r.bound_step_ms:>10.2f}{r.of_bound:>8.2f}x{r.bound_tok_s_request:>12.1f}"
+            f"{r.predicted_tok_s_request:>12.1f}  {at}"
+        )
+        for lv in r.levels:
+            extras = [
+                f"{label} {lv[key]:.2f}"
+                for key, label in (
+                    ("mean_accepted_length", "accepted"),
+                    ("mean_fill_rounds", "fill rounds"),
+                    ("mean_ess_fraction", "ESS/N"),
+                    ("resample_rate", "resample"),
+                    ("deferred_step_rate", "deferred"),
+                )
+                if key in lv
+            ]
+            lines.append(
+                f"    {lv['kind']:<10}{lv['share_of_time']:>7.1%} of time, {lv['forward_ms']:.2f} ms/forward"
+                + "".join(f", {e}" for e in extras)
+            )
+    lines.append(
+        "tok/s: decode only (N-token run minus 1-token run); step: the top level's step (an SMC cycle); bound: "
+        "each forward reading its weights once at the copy bandwidth; model: hsmc.cost_model from the measured "
+        "forward times"
+    )
+    return "\n".join(lines)
 
 
 def format_table(rows: list[BenchRow], device_name: str, bandwidth: float) -> str:
@@ -172,12 +316,14 @@ def format_table(rows: list[BenchRow], device_name: str, bandwidth: float) -> st
     return "\n".join(lines)
 
 
-def plot(rows: list[BenchRow], path: Path) -> None:
+def plot(rows: list[BenchRow | StackRow], path: Path) -> None:
+    """tok/s vs batch of the shapes' rows, their rooflines and baselines drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if isinstance(r, BenchRow)]
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(r.name for r in rows):
         mine = [r for r in rows if r.name == name]
@@ -195,6 +341,23 @@ def plot(rows: list[BenchRow], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def config_for_bench(config: HsmcConfig, batches: list[int], prompt_tokens: int, new_tokens: int) -> HsmcConfig:
+    """`config` with engine rows and KV slots for the largest number of requests (kept where it has more)."""
+    from hsmc.preflight import rows_and_lookahead
+
+    rows_per_prompt, lookahead = rows_and_lookahead(config)
+    b = max(batches)
+    engine = config.engine
+    engine = dataclasses.replace(
+        engine,
+        max_batch_rows=max(engine.max_batch_rows, b * rows_per_prompt),
+        kv_capacity_tokens=max(
+            engine.kv_capacity_tokens, b * (prompt_tokens + rows_per_prompt * (new_tokens + lookahead)) + 64
+        ),
+    )
+    return dataclasses.replace(config, engine=engine)
+
+
 def run_bench(
     shapes: list[str],
     config: HsmcConfig | None,
@@ -204,10 +367,12 @@ def run_bench(
     dtype: str,
     baseline: bool,
     engine: dict[str, Any],
-) -> tuple[list[BenchRow], str]:
-    """Benchmark every named shape (or the config's stack); returns the rows and the printed table."""
-    device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
+    name: str = "config",
+) -> tuple[list[BenchRow | StackRow], str]:
+    """Benchmark every named shape (on CUDA) and the config's stack (on its device); returns the rows and the
+    printed tables."""
+    device = torch.device(config.engine.device if config is not None and not shapes else "cuda")
+    bandwidth = copy_bandwidth(device, 2.0 if device.type == "cuda" else 0.05)
     rows: list[BenchRow] = []
     for shape in shapes:
         if shape not in SHAPES:
@@ -219,11 +384,24 @@ def run_bench(
         del decoder, model, hf
         gc.collect()  # runners and their CUDA graphs reference each other: free them before the next shape
         torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tables = [format_table(rows, device_name, bandwidth)] if rows else []
+    stack_rows: list[StackRow] = []
     if config is not None:
-        decoder, top = config_case(config)
-        rows += bench_decoder("config", decoder, top, None, batches, prompt_tokens, new_tokens, bandwidth)
-    return rows, format_table(rows, torch.cuda.get_device_name(device), bandwidth)
+        from hsmc.decoder import HierarchicalDecoder
+
+        decoder = HierarchicalDecoder(config_for_bench(config, batches, prompt_tokens, new_tokens))
+        stack_rows = bench_stack(name, decoder, batches, prompt_tokens, new_tokens, bandwidth)
+        if not rows:
+            tables.append(f"device: {device_name}; measured copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
+        tables.append(format_stack_table(stack_rows))
+    return [*rows, *stack_rows], "\n".join(tables)
 
 
-def to_json(rows: list[BenchRow]) -> str:
-    return json.dumps([{**asdict(r), "of_roofline": r.of_roofline, "vs_baseline": r.vs_baseline} for r in rows])
+def to_json(rows: list[BenchRow | StackRow]) -> str:
+    def row(r: BenchRow | StackRow) -> dict[str, Any]:
+        if isinstance(r, StackRow):
+            return {**asdict(r), "of_bound": r.of_bound}
+        return {**asdict(r), "of_roofline": r.of_roofline, "vs_baseline": r.vs_baseline}
+
+    return json.dumps([row(r) for r in rows])

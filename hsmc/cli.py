@@ -58,7 +58,9 @@ def _add_train_eagle(sub: Any) -> None:
 
 def _add_bench(sub: Any) -> None:
     """`hsmc bench --shape S[,S] | --config X [--batch 1,4,16] ...` (see hsmc/bench.py)."""
-    cmd = sub.add_parser("bench", help="decode tok/s vs the bandwidth roofline and transformers (GPU)")
+    cmd = sub.add_parser(
+        "bench", help="decode tok/s vs the bandwidth roofline: a shape against transformers (GPU), or a config's stack"
+    )
     cmd.add_argument("--shape", help="comma-separated model shapes with random weights, e.g. qwen3-8b,qwen3-32b")
     cmd.add_argument("--config", help="a config whose stack is measured as configured")
     cmd.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
@@ -149,12 +151,12 @@ def _bench(args: argparse.Namespace) -> int:
     from hsmc.config import load_config
     from hsmc.models.shapes import SHAPES
 
-    if not torch.cuda.is_available():
-        raise HsmcError("hsmc bench measures GPU decode speed and needs a CUDA device")
     shapes = [s for s in (args.shape or "").split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown or not (shapes or args.config):
         raise HsmcError(f"bench: pass --config or --shape with one of {', '.join(SHAPES)} (got {unknown or 'none'})")
+    if shapes and not torch.cuda.is_available():
+        raise HsmcError("hsmc bench --shape measures GPU decode speed and needs a CUDA device")
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
@@ -164,8 +166,9 @@ def _bench(args: argparse.Namespace) -> int:
         "max_batch_rows": max(batches),
         "kv_capacity_tokens": max(batches) * (args.prompt_tokens + args.new_tokens + 64),
     }
+    name = Path(args.config).stem if args.config else "config"
     rows, table = run_bench(
-        shapes, config, batches, args.prompt_tokens, args.new_tokens, args.dtype, not args.no_baseline, engine
+        shapes, config, batches, args.prompt_tokens, args.new_tokens, args.dtype, not args.no_baseline, engine, name
     )
     print(to_json(rows) if args.json else table)
     if args.plot:

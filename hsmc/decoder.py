@@ -250,12 +250,15 @@ class HierarchicalDecoder:
 
     def level_stats(self, total_seconds: float) -> list[dict[str, Any]]:
         """Per-level statistics of the last run (`generate` puts them in every result's stats["levels"]);
-        `share_of_time` is the level's forward time over `total_seconds`."""
+        `share_of_time` is the level's forward time over `total_seconds`, `forward_ms` the mean of one of
+        its `forwards` (prefills included)."""
         out = []
         for lc, level in zip(self.stack.configs, self.stack.levels):
             stats = level.stats()
-            share = stats.pop("forward_seconds") / total_seconds if total_seconds > 0 else 0.0
-            out.append({"kind": lc.kind, "model": lc.model, "share_of_time": share, **stats})
+            seconds = stats.pop("forward_seconds")
+            share = seconds / total_seconds if total_seconds > 0 else 0.0
+            forward_ms = 1000 * seconds / max(stats["forwards"], 1)
+            out.append({"kind": lc.kind, "model": lc.model, "share_of_time": share, "forward_ms": forward_ms, **stats})
         return out
 
     def _generation_config(self, overrides: dict[str, Any]) -> GenerationConfig:

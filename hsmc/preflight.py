@@ -24,6 +24,7 @@ from hsmc.models.loading import (
     resolve_folder,
     safetensors_files,
 )
+from hsmc.models.shapes import random_shape
 from hsmc.models.tokenizer import encode_prompt, load_tokenizer
 from hsmc.prompts import Prompt
 
@@ -79,6 +80,8 @@ def check_stop_strings(generation: GenerationConfig, tokenizer: Any | None) -> N
 
 def _check_level(level: LevelConfig) -> None:
     """The level's model exists and is one hsmc can build, and its local weight files are readable."""
+    if random_shape(level.model) is not None:  # random weights of a named shape: nothing to read
+        return
     if level.kind == "eagle3":
         from hsmc.eagle.checkpoint import read_head_config
 
@@ -107,7 +110,7 @@ def _decoder_config(source: str) -> DecoderConfig:
 def _stack_tokenizer(cfg: HsmcConfig) -> Any | None:
     """The tokenizer the built stack uses: the top-most level's model that ships one."""
     for level in reversed(cfg.levels):
-        if level.kind == "eagle3":
+        if level.kind == "eagle3" or random_shape(level.model) is not None:
             continue
         if level.model.endswith(".gguf"):
             path = Path(level.model)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class StopCriteria:
@@ -50,3 +52,19 @@ class StopCriteria:
         """The text up to (not including) the first stop string."""
         cut = min((i for i in (text.find(s) for s in self.strings) if i >= 0), default=len(text))
         return text[:cut]
+
+
+def output_ends(
+    tokens: torch.Tensor, generated: torch.Tensor, stop_ids: torch.Tensor, max_new_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`StopCriteria.append` without stop strings, on the device: of each row's new tokens [R, W], how many
+    belong to the output (up to and including the first stop token, within max_new_tokens given `generated`
+    [R] so far), and whether the output ends with them: (kept int64 [R], ends bool [R])."""
+    width = tokens.shape[1]
+    room = (max_new_tokens - generated).clamp(0, width)
+    positions = torch.arange(width, device=tokens.device)
+    stops = torch.isin(tokens, stop_ids) & (positions[None, :] < room[:, None])
+    first = torch.where(stops, positions[None, :], width).amin(-1)
+    stopped = first < width
+    kept = torch.where(stopped, first + 1, room)
+    return kept, stopped | (generated + kept >= max_new_tokens)

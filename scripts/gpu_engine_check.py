@@ -16,6 +16,14 @@ bench    `hsmc bench` numbers: Qwen3-8B shape at batch 1/4/16 and Qwen3-32B at b
          roofline from the measured copy bandwidth; graph capture time of the 8B buckets.
 verify   one verify forward of 16 rows x 9 tokens on the 32B shape vs the time to read its weights once.
 profile  the kernels of one 8B decode step, grouped, from torch.profiler.
+smcsync  tiny SMC stacks ([model|eagle3, (rejection, (rejection,)) smc], and with a stop string) on CUDA
+         after a warm-up under torch.cuda.set_sync_debug_mode: the synchronizing calls of generate() (the
+         cycle's one read waits on an event: expected none); near-greedy (T = 1e-4) tokens CUDA == CPU; at
+         T = 1 the same seed twice on CUDA gives the same tokens.
+smcbench `hsmc bench --config` of configs/bench/{smc,hierarchical,selfdraft}_8b_32b.yaml at 1/4/16
+         requests (random bf16 weights, 64-token prompts, 64 new tokens): tok/s per request and in all,
+         cycle vs weight-read bound, per-level times, cost model (also at accepted length 3.5). The target is
+         the 32B shape where the GPU holds it (≥ 120 GB: H200), else the 14B shape (H100), as printed.
 Results are printed and written to DIR (results.json, summary.txt).
 """
 
@@ -36,10 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from conftest import make_tiny_model  # noqa: E402
+from conftest import TINY_CONFIGS, make_tiny_model, save_tokenizer  # noqa: E402
 from test_eagle_checkpoint import published_layout  # noqa: E402
 
-from hsmc.bench import copy_bandwidth, run_bench, timed  # noqa: E402
+from hsmc.bench import copy_bandwidth, run_bench, timed, to_json  # noqa: E402
+from hsmc.config import load_config  # noqa: E402
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator  # noqa: E402
 from hsmc.engine.runner import ModelRunner  # noqa: E402
@@ -165,8 +174,6 @@ def check_kernels() -> None:
 def tiny_stack_configs(root: Path) -> dict[str, dict]:
     draft = make_tiny_model("llama", root / "draft", seed=1)
     target = make_tiny_model("llama", root / "target", seed=2)
-    from conftest import TINY_CONFIGS
-
     llama = TINY_CONFIGS["llama"]
     sizes = (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], 16, 96)
     head, _ = published_layout(root / "head", dtype=torch.float32, sizes=(*sizes, 101, 40), scale=0.3)
@@ -186,7 +193,7 @@ def tiny_stack_configs(root: Path) -> dict[str, dict]:
     }
 
 
-def synced_generate(decoder: HierarchicalDecoder, prompts, new_tokens: int) -> tuple[list, list[str]]:
+def synced_generate(decoder: HierarchicalDecoder, prompts, new_tokens: int, **generation) -> tuple[list, list[str]]:
     """generate() under torch.cuda.set_sync_debug_mode: returns the results and every place that synced."""
     import warnings
 
@@ -194,20 +201,20 @@ def synced_generate(decoder: HierarchicalDecoder, prompts, new_tokens: int) -> t
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            results = decoder.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+            results = decoder.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **generation)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
     return results, syncs
 
 
-def greedy_cuda_vs_cpu(config: dict, prompts, new_tokens: int) -> tuple[bool, int, list[str]]:
+def greedy_cuda_vs_cpu(config: dict, prompts, new_tokens: int, **generation) -> tuple[bool, int, list[str]]:
     """Greedy tokens on CUDA (Triton + graphs; after a warm-up, under the sync debug mode) vs the CPU oracle."""
     cpu = HierarchicalDecoder.from_config({**config, "engine": {"kv_capacity_tokens": 2048}})
-    want = [r.token_ids for r in cpu.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)]
+    want = [r.token_ids for r in cpu.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **generation)]
     cuda = HierarchicalDecoder.from_config({**config, "engine": {"device": "cuda", "kv_capacity_tokens": 2048}})
-    cuda.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)  # warm-up: captures the graphs
-    results, syncs = synced_generate(cuda, prompts, new_tokens)
+    cuda.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **generation)  # warm-up: captures graphs
+    results, syncs = synced_generate(cuda, prompts, new_tokens, **generation)
     same = sum(r.token_ids == b for r, b in zip(results, want))
     return same == len(want), same, syncs
 
@@ -254,6 +261,83 @@ def check_tiny() -> None:
         out[name] = {"greedy_equal": same, "syncs": syncs}
         say(f"tiny stack {name}: greedy CUDA == CPU {n}/{len(prompts)}; synchronizing ops: {syncs or 'none'}")
     results["tiny"] = out
+
+
+def smc_stacks(root: Path, temperature: float) -> dict[str, dict]:
+    """The SMC stacks of tests/test_host_reads.py on tiny models with a tokenizer (for the stop string)."""
+    vocab = [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(TINY_CONFIGS["llama"]["vocab_size"])]
+    models = {name: make_tiny_model("llama", root / name, seed=seed) for name, seed in (("d", 1), ("m", 3), ("t", 2))}
+    for folder in models.values():
+        save_tokenizer(folder, vocab)
+    llama = TINY_CONFIGS["llama"]
+    sizes = (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], 16, 96, 101, 101)
+    models["h"], _ = published_layout(root / "head", dtype=torch.float32, sizes=sizes, scale=0.3)
+    stacks = {
+        "model-smc": "model:d",
+        "model-rejection-smc": "model:d rejection:m",
+        "model-rejection-rejection-smc": "model:d rejection:m rejection:d",
+        "eagle3-rejection-smc": "eagle3:h rejection:d",
+        "eagle3-smc": "eagle3:h",
+    }
+    smc = {"kind": "smc", "model": str(models["t"]), "temperature": temperature, "particles": 4, "block_size": 3}
+    configs = {}
+    for name, spec in stacks.items():
+        levels = []
+        for part in spec.split():
+            kind, model = part.split(":")
+            levels.append({"kind": kind, "model": str(models[model]), "temperature": temperature})
+            if kind == "rejection":
+                levels[-1]["num_draft_tokens"] = 2
+        configs[name] = {"levels": [*levels, {**smc, "ess_threshold": 0.9}]}
+    return configs
+
+
+def check_smc_sync() -> None:
+    say("== tiny SMC stacks on CUDA: synchronizing calls, near-greedy CUDA == CPU, same seed twice ==")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    root = Path(tempfile.mkdtemp())
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
+    out = {}
+    greedy, sampled = smc_stacks(root / "greedy", 1e-4), smc_stacks(root / "sampled", 1.0)
+    cases = [(name, name, []) for name in greedy] + [("model-smc-stop-string", "model-smc", ["bb"])]
+    for label, name, stop in cases:
+        try:
+            same, n, syncs = greedy_cuda_vs_cpu(greedy[name], prompts, 24, stop=stop)
+            engine = {"device": "cuda", "kv_capacity_tokens": 2048}
+            cuda = HierarchicalDecoder.from_config({**sampled[name], "engine": engine})
+            runs = [cuda.generate(prompts, max_new_tokens=24, ignore_eos=True, stop=stop, seed=7) for _ in range(2)]
+            repeat = [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+            out[label] = {"near_greedy_equal": same, "syncs": syncs, "same_seed_equal": repeat}
+            say(f"smc {label}: T=1e-4 CUDA == CPU {n}/{len(prompts)}; synchronizing ops: {syncs or 'none'}; "
+                f"T=1 same seed twice equal: {repeat}")  # fmt: skip
+        except Exception as e:  # one stack failing must not hide the others
+            out[label] = {"error": f"{type(e).__name__}: {e}"}
+            say(f"!! smc {label} failed: {type(e).__name__}: {e}")
+    results["smcsync"] = out
+
+
+def check_smc_bench() -> None:
+    say("== SMC stacks on the real shapes, random bf16 weights: hsmc bench --config ==")
+    memory = torch.cuda.get_device_properties(0).total_memory / 1e9
+    target = "random:qwen3-32b" if memory >= 120 else "random:qwen3-14b"
+    say(f"GPU memory {memory:.0f} GB: target {target} (the 32B's 65.5 GB + the 8B's 16.4 GB need ≥ 120 GB)")
+    out = {}
+    for name in ("smc_8b_32b", "hierarchical_8b_32b", "selfdraft_8b_32b"):
+        began = time.perf_counter()
+        try:
+            path = ROOT / "configs" / "bench" / f"{name}.yaml"
+            top = len(load_config(path).levels) - 1
+            config = load_config(path, [f"levels.{top}.model={target}"])
+            rows, table = run_bench([], config, [1, 4, 16], 64, 64, "bfloat16", False, {}, name)
+            say(table)
+            out[name] = json.loads(to_json(rows))
+        except Exception as e:  # one config failing (e.g. out of memory) must not hide the others
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            say(f"!! smcbench {name} failed: {type(e).__name__}: {e}")
+        say(f"({name}: {time.perf_counter() - began:.0f} s)")
+        gc.collect()
+        torch.cuda.empty_cache()
+    results["smcbench"] = {"target": target, **out}
 
 
 def check_smollm2(gguf: Path) -> None:
@@ -469,6 +553,8 @@ def main() -> None:
         "attnvar": check_attention_variants,
         "bench": check_bench,
         "verify": check_verify,
+        "smcsync": check_smc_sync,
+        "smcbench": check_smc_bench,
     }
     for name in sections:
         began = time.perf_counter()

@@ -160,38 +160,59 @@ def test_verifier_forwards_follow_the_slowest_row_not_the_sum(models):
     assert [r.token_ids for r in together] == singles
 
 
-def test_smc_top_reads_twice_per_cycle(models):
-    """An smc cycle reads its new tokens (stop checks need them), then the live groups' ESS together with their
-    would-be ancestors: two reads, whether or not a group resamples."""
+SMC = {"kind": "smc", "temperature": 1.0, "particles": 4, "block_size": 3, "ess_threshold": 0.9}
+SMC_STACKS = {
+    "model-smc": ["model:draft"],
+    "model-rejection-smc": ["model:draft", "rejection:draft2"],
+    "model-rejection-rejection-smc": ["model:draft", "rejection:draft2", "rejection:draft"],
+    "eagle3-rejection-smc": ["eagle3:head", "rejection:draft"],
+    "eagle3-smc": ["eagle3:head"],
+    "model-smc-stop-string": ["model:draft"],
+}
+SETUP_READS = 4  # outside the cycles: the x0 step, the read after the last cycle (stop strings), statistics
+
+
+@pytest.fixture(scope="module")
+def smc_models(tmp_path_factory, models):
+    """The two models above with a tokenizer (stop strings need text), a third model, and an EAGLE3 head over
+    the full vocabulary (it may draft directly for an smc level)."""
+    from conftest import TINY_CONFIGS, save_tokenizer
+    from test_eagle_checkpoint import published_layout
+
+    root = tmp_path_factory.mktemp("smc-reads")
     draft, target = models
-    levels = [
-        {"kind": "model", "model": str(draft), "temperature": 1.0},
-        {
-            "kind": "smc",
-            "model": str(target),
-            "temperature": 1.0,
-            "particles": 4,
-            "block_size": 3,
-            "ess_threshold": 0.9,
-        },
-    ]
-    decoder = HierarchicalDecoder.from_config({"levels": levels})
+    vocab = [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(TINY_CONFIGS["llama"]["vocab_size"])]
+    for folder in models:
+        save_tokenizer(folder, vocab)
+    llama = TINY_CONFIGS["llama"]
+    sizes = (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], 16, 96, 101, 101)
+    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=sizes, scale=0.3)
+    draft2 = make_tiny_model("llama", root / "draft2", seed=3)
+    save_tokenizer(draft2, vocab)
+    return {"draft": draft, "draft2": draft2, "target": target, "head": head}
+
+
+@pytest.mark.parametrize("name", list(SMC_STACKS))
+def test_smc_top_reads_once_per_cycle(smc_models, name):
+    """Every SMC stack reads the device once per SMC cycle (the packed result copy), whatever levels sit
+    below, resampling included; a constant number of reads outside the cycles (SETUP_READS)."""
+    levels = []
+    for part in SMC_STACKS[name]:
+        kind, model = part.split(":")
+        levels.append({"kind": kind, "model": str(smc_models[model]), "temperature": 1.0})
+        if kind == "rejection":
+            levels[-1]["num_draft_tokens"] = 2
+    levels.append({**SMC, "model": str(smc_models["target"])})
+    decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 8192}})
+    stop = ["bb"] if name.endswith("stop-string") else []
     top = decoder.stack.top
-    cycle = top._cycle
     counts = []
     for new_tokens in (9, 41):
-        cycles = 0
-
-        def counted(*args):
-            nonlocal cycles
-            cycles += 1
-            return cycle(*args)
-
-        top._cycle = counted
         with HostReadCounter() as counter:
-            decoder.generate(PROMPTS, max_new_tokens=new_tokens, ignore_eos=True)
-        counts.append((counter.count, cycles, top.resamples))
-    del top._cycle
-    (short_reads, short_cycles, short_resamples), (long_reads, long_cycles, long_resamples) = counts
-    assert long_cycles > short_cycles and long_resamples > short_resamples
-    assert long_reads - short_reads <= 2 * (long_cycles - short_cycles)
+            decoder.generate(PROMPTS, max_new_tokens=new_tokens, ignore_eos=True, stop=stop)
+        counts.append((counter.count, top.cycles, top.resamples))
+    (short_reads, short_cycles, _), (long_reads, long_cycles, long_resamples) = counts
+    print(f"{name}: {long_reads} reads in {long_cycles} cycles, {short_reads} in {short_cycles}")
+    assert long_cycles > short_cycles and long_resamples > 0
+    assert long_reads - short_reads <= long_cycles - short_cycles
+    assert long_reads <= long_cycles + SETUP_READS and short_reads <= short_cycles + SETUP_READS

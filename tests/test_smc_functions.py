@@ -130,3 +130,35 @@ def test_selection_argmax_and_sample_distribution():
     assert chisquare(torch.bincount(picks, minlength=4).double().numpy(), expected.numpy()).pvalue > 1e-3
     with pytest.raises(ValueError, match="selection must be"):
         select_particle(logw, "best")
+
+
+def test_resampling_plan_resamples_exactly_the_live_groups_below_the_threshold():
+    """Groups with ESS < τ·N that are live get systematic ancestors; the others (even ESS, or finished) keep
+    identity ancestors, so one fork applies the plan to every group."""
+    from hsmc.smc.resampling import resampling_plan
+
+    logw = torch.tensor([[0.0, 0.0, 0.0, 0.0], [5.0, 0.0, 0.0, -3.0], [5.0, 0.0, 0.0, -3.0]], dtype=torch.float64)
+    live = torch.tensor([True, True, False])
+    u = torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64)
+    ancestors, resample, ess = resampling_plan(logw, live, u, 0.5, "systematic")
+    assert resample.tolist() == [False, True, False]
+    assert torch.allclose(ess, effective_sample_size(logw))
+    assert ancestors[0].tolist() == ancestors[2].tolist() == [0, 1, 2, 3]
+    assert ancestors[1].tolist() == systematic_ancestors(logw[1:2], u[1:2])[0].tolist()
+
+
+def test_output_ends_matches_stop_criteria():
+    """The device test of the ends equals `StopCriteria.append` (no stop strings) on random blocks."""
+    from hsmc.stopping import StopCriteria, output_ends
+
+    rng = random.Random(0)
+    stop_ids = {2, 5}
+    criteria = StopCriteria(frozenset(stop_ids))
+    for max_new in (1, 3, 7):
+        generated = [rng.randint(0, max_new - 1) for _ in range(64)]
+        blocks = [[rng.randint(0, 7) for _ in range(4)] for _ in range(64)]
+        kept, ends = output_ends(torch.tensor(blocks), torch.tensor(generated), torch.tensor(sorted(stop_ids)), max_new)
+        for i, (before, block) in enumerate(zip(generated, blocks)):
+            tokens = [9] * before
+            reason = criteria.append(tokens, block, max_new)
+            assert kept[i].item() == len(tokens) - before and ends[i].item() == (reason is not None)

@@ -123,11 +123,17 @@ def _tv(results, exact) -> float:
 
 def _sampling_floor(exact, samples: int, repeats: int = 20) -> float:
     """Expected TV of `samples` exact draws to `exact`: where no sampler can get below."""
+    return _sampling_spread(exact, samples, repeats)[0]
+
+
+def _sampling_spread(exact, samples: int, repeats: int = 20) -> tuple[float, float]:
+    """Mean and standard deviation of the TV of `samples` exact draws to `exact`."""
     gen = torch.Generator().manual_seed(0)
     probs = torch.tensor(list(exact.values()), dtype=torch.float64)
     draws = torch.multinomial(probs.float().expand(repeats, -1), samples, replacement=True, generator=gen)
     freq = torch.zeros(repeats, len(probs), dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws).double())
-    return (0.5 * (freq / samples - probs).abs().sum(-1)).mean().item()
+    tv = 0.5 * (freq / samples - probs).abs().sum(-1)
+    return tv.mean().item(), tv.std().item()
 
 
 def _tv_by_particles(draft, target, prompt, n_tokens, exact, particles, samples, **smc) -> list[float]:
@@ -160,13 +166,17 @@ def test_power_sampling_leaves_no_first_token_floor(models):
     marginal = [sum(p for s, p in exact.items() if s[0] == x) for x in range(VOCAB)]
     local = _normalised({(x,): alpha * lp[0] for (x,), lp in _token_logps(target, prompt, 1).items()})
     x0_floor = 0.5 * sum(abs(marginal[x] - local[(x,)]) for x in range(VOCAB))
-    floor = _sampling_floor(exact, samples)
+    floor, spread = _sampling_spread(exact, samples, repeats=200)
     assert x0_floor > 4 * floor, "the toy must tell the local from the global first-token marginal"
     particles = (1, 4, 16, 64)
     tv = _tv_by_particles(target, target, prompt, n_tokens, exact, particles, samples, block_size=1, alpha=alpha)
-    print(f"alpha=2: TV for N = {particles}: {tv}; x0 floor {x0_floor:.3f}, sampling floor {floor:.3f}")
-    assert all(a > b for a, b in zip(tv, tv[1:])), f"TV for N = {particles}: {tv}"
-    assert tv[-1] < 1.5 * floor
+    print(f"alpha=2: TV for N = {particles}: {tv}; x0 floor {x0_floor:.3f}, sampling floor {floor:.3f} ± {spread:.3f}")
+    # TV falls with N until it reaches the sampling floor, where the order of two values is noise: "at the
+    # floor" is within 4 standard deviations of exact sampling's TV (a fixed 1.5 x the floor is too tight:
+    # on this toy, 6000 exact draws land above 1.42 x the floor in 0.7 % of 4000 repeats)
+    near_floor = floor + 4 * spread
+    assert all(a > b or max(a, b) < near_floor for a, b in zip(tv, tv[1:])), f"TV for N = {particles}: {tv}"
+    assert tv[-1] < near_floor
 
 
 def _exact_truncated(target, prompt, n, alpha, stop: str) -> tuple[dict, dict]:
@@ -207,11 +217,11 @@ def test_stop_string_ends_a_particles_weight(models):
 
 
 def test_log_z_is_unbiased(models):
-    """E[exp(log Ẑ)] = Σ over outputs of p_T(output)^alpha. Here alpha = 2 and outputs are all 3-token
-    continuations; the cycle after x0 proposes 2 drafts + a bonus, so the length limit cuts mid-block. The
-    target is its own proposal (bounded weights: the mean resolves Z to about 1 %)."""
+    """E[exp(log Ẑ)] = Σ over outputs of p_T(output)^alpha. Here alpha = 2 and outputs are all 5-token
+    continuations: x0, a cycle of 2 drafts + a bonus, a resampling decision, and a cycle that the length
+    limit cuts mid-block. The target is its own proposal (bounded weights: the mean resolves Z to about 1 %)."""
     _, target = models
-    prompt, n_tokens, alpha, groups = [1, 2, 0], 3, 2.0, 4000
+    prompt, n_tokens, alpha, groups = [1, 2, 0], 5, 2.0, 4000
     z = math.exp(_logsumexp([alpha * sum(lp) for lp in _token_logps(target, prompt, n_tokens).values()]))
     decoder = _smc(target, target, rows=4096, particles=4, block_size=2, alpha=alpha, ess_threshold=0.9)
     results = decoder.generate([prompt] * groups, max_new_tokens=n_tokens, ignore_eos=True, seed=3)
@@ -226,9 +236,10 @@ def test_log_z_is_unbiased(models):
 def test_resampling_happens_and_pools_return_to_empty(models):
     draft, target = models
     decoder = _smc(draft, target, draft_t=1.5, particles=8, block_size=3, ess_threshold=0.9)
-    results = decoder.generate([[1, 2, 0], [0, 1], [2]] * 4, max_new_tokens=5, seed=1)
+    # resampling is decided before a cycle: x0 and one cycle make 5 tokens, a second cycle needs 6 or more
+    results = decoder.generate([[1, 2, 0], [0, 1], [2]] * 4, max_new_tokens=9, seed=1)
     smc_stats = results[0].stats["levels"][1]
     assert smc_stats["resample_rate"] > 0.1
-    assert all(1 <= len(r.token_ids) <= 5 for r in results)
+    assert all(1 <= len(r.token_ids) <= 9 for r in results)
     assert any(r.finish_reason == "stop" for r in results) and any(r.finish_reason == "length" for r in results)
     assert_pools_empty(decoder)

@@ -67,6 +67,27 @@ def head_from_config(config: dict[str, Any]) -> Eagle3Head:
         return Eagle3Head(cfg, int(config["draft_vocab_size"]))
 
 
+def random_eagle3_head(
+    verifier_shape: dict[str, Any], dtype: str, device: torch.device | str, draft_vocab_size: int = 32000
+) -> tuple[Eagle3Head, dict[str, Any]]:
+    """A head with random weights for a verifier of `verifier_shape` (a `hsmc.models.shapes` entry), drafting
+    the first `draft_vocab_size` tokens (32000 like the published Qwen3-8B heads): for timing, not drafting."""
+    draft_vocab_size = min(draft_vocab_size, verifier_shape["vocab_size"])
+    config = new_head_config(verifier_shape, draft_vocab_size)
+    head = head_from_config(config).to(DTYPES[dtype]).to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
+        head.d2t.zero_()  # draft id i is target id i
+        head.t2d.copy_(torch.arange(head.t2d.shape[0], device=device) < draft_vocab_size)
+    head.inv_freq = torch.tensor(head.config.inv_freq, dtype=torch.float32, device=device)
+    return head.eval().requires_grad_(False), config
+
+
 def read_head_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():

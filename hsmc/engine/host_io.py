@@ -19,9 +19,14 @@ def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class PendingRead:
-    """A device tensor on its way to the host; `result()` waits for it and returns it as lists."""
+    """Device tensors on their way to the host in ONE copy; `result()` waits for it and returns them as lists.
 
-    def __init__(self, value: torch.Tensor) -> None:
+    Several tensors are packed into one float64 buffer (exact for token ids and counts), so a cycle that
+    needs tokens, flags and statistics still synchronizes once."""
+
+    def __init__(self, *values: torch.Tensor) -> None:
+        self.shapes = [v.shape for v in values]
+        value = values[0] if len(values) == 1 else torch.cat([v.double().reshape(-1) for v in values])
         if value.device.type == "cuda":
             self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             self.host.copy_(value, non_blocking=True)
@@ -31,9 +36,28 @@ class PendingRead:
             self.host, self.event = value, None
 
     def result(self) -> list:
+        """One tensor: its values as (nested) lists; several: a list of them, one per tensor."""
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        values = self.host.tolist()  # one conversion: the pinned buffer is already on the host
+        if len(self.shapes) == 1:
+            return values
+        parts, start = [], 0
+        for shape in self.shapes:
+            size = shape.numel()
+            flat, start = values[start : start + size], start + size
+            parts.append(_nest(flat, tuple(shape)))
+        return parts
+
+
+def _nest(flat: list, shape: tuple[int, ...]) -> list:
+    """A flat list as nested lists of `shape` (a scalar shape gives the value itself)."""
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 def read_counters(*counters: torch.Tensor) -> list[float]:

@@ -21,9 +21,11 @@ class ForwardTimer:
     def reset(self) -> None:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._seconds = 0.0
+        self.count = 0  # forwards timed
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
+        self.count += 1
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

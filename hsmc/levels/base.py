@@ -6,9 +6,10 @@ A level is a sampler with known log-probabilities. Between levels all positions 
 - `propose(rows, k)`: k more tokens after what the caller has acknowledged, with log q. A verifier
   above asks `at_most=True`: a level may then hand fewer (at least 1) per row, without host reads.
 - `commit(rows, n)`: the caller keeps the first n proposed tokens and adds nothing.
-- `accept(rows, keep_len, next_token)`: the caller keeps the row's first `keep_len` tokens and
+- `accept(rows, keep_len, next_token, mask=...)`: the caller keeps the row's first `keep_len` tokens and
   appends `next_token` (a correction or bonus this level may not have proposed). The level drops
-  everything past `keep_len`, rolls its KV back, and tells the level below the same.
+  everything past `keep_len`, rolls its KV back, and tells the level below the same. Rows where `mask`
+  is False are left exactly as they are (an SMC step deferred because the row's proposal was short).
 - `step(rows)` (a streaming top only): one round of work for every row, handing over all the tokens
   it produced (1 for a model level, 1..γ+1 for a rejection level).
 
@@ -33,6 +34,7 @@ import torch
 from hsmc.engine.host_io import upload
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.timer import ForwardTimer
+from hsmc.levels.block_fill import BlockFill
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Proposal:
     logprobs: torch.Tensor | None  # float [R, k, V]: that full distribution; None = deterministic (one-hot),
     # or, from a rejection level asked for exactly k (under smc, which reads logq only), not kept
     count: torch.Tensor | None = None  # int64 [R]: tokens[i, :count[i]] are proposals (at_most); None = all k
+    ready: torch.Tensor | None = None  # bool [R]: rows whose k tokens are all there (a block fill); None = all
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Level(Protocol):
     state: SequenceState
     feature_layers: tuple[int, ...]  # residual streams this level wants from the verifier above (EAGLE3)
     step_growth: int  # most tokens a row's sequence grows by in one `step` (a streaming top)
+    fill: BlockFill | None  # how a rejection level fills an SMC block (its counters ride the cycle's read)
 
     def prefill(self, rows: torch.Tensor, features: StepOutput | None = None) -> None:
         """Process the prompt; `features` as in `accept` (the verifier's prompt forward)."""
@@ -86,7 +90,12 @@ class Level(Protocol):
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal: ...
     def commit(self, rows: torch.Tensor, n: int) -> None: ...
     def accept(
-        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
+        self,
+        rows: torch.Tensor,
+        keep_len: torch.Tensor,
+        next_token: torch.Tensor,
+        features: StepOutput | None = None,
+        mask: torch.Tensor | None = None,
     ) -> None:
         """`features`: the verifier's forward that decided this (its `features` at `feature_layers`);
         positions below keep_len are committed, so a feature-reading drafter may consume those."""
@@ -112,6 +121,17 @@ def padded_prompts(prompts: list[list[int]], device: torch.device) -> tuple[torc
         tokens[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     return upload(tokens, device), upload(lengths, device)
+
+
+def masked_accept(
+    state: TokenRows, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept`'s arguments where `mask` holds, elsewhere the accept that changes nothing: keep all of the
+    row's tokens but its last and append that one again (the last token is never in a model's KV)."""
+    if mask is None:
+        return keep_len, next_token
+    own = (state.seq_len[rows] - 1).clamp_min(0)
+    return torch.where(mask, keep_len, own), torch.where(mask, next_token, state.seq[rows, own])
 
 
 class TokenRows:

@@ -23,11 +23,12 @@ from torch import nn
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.sampler import sample
 from hsmc.engine.timer import ForwardTimer
-from hsmc.levels.base import Proposal, StepOutput, TokenRows
+from hsmc.levels.base import Proposal, StepOutput, TokenRows, masked_accept
 
 
 class Eagle3Level:
     step_growth = 1  # never a top
+    fill = None  # drafts exactly what it is asked for: no block fill
 
     def __init__(
         self,
@@ -108,8 +109,15 @@ class Eagle3Level:
         """Nothing to do: a drafter never proposes more than it was asked for."""
 
     def accept(
-        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
+        self,
+        rows: torch.Tensor,
+        keep_len: torch.Tensor,
+        next_token: torch.Tensor,
+        features: StepOutput | None = None,
+        mask: torch.Tensor | None = None,
     ) -> None:
+        """A masked-out row re-processes its last pair (same result): an accept that changes nothing."""
+        keep_len, next_token = masked_accept(self.state, rows, keep_len, next_token, mask)
         self.state.set_token(rows, keep_len, next_token)
         self.feature_len[rows] = torch.minimum(self.feature_len[rows], keep_len)
         if features is not None:
@@ -149,7 +157,7 @@ class Eagle3Level:
         self.timer.reset()
 
     def stats(self) -> dict[str, float]:
-        return {"forward_seconds": self.timer.seconds()}
+        return {"forward_seconds": self.timer.seconds(), "forwards": self.timer.count}
 
     # -- internals ------------------------------------------------------------------------
     def _store(self, rows: torch.Tensor, features: StepOutput, upto: torch.Tensor) -> None:

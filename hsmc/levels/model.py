@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from hsmc.engine.sampler import sample
-from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput
+from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput, masked_accept
 
 
 class ModelLevel:
     feature_layers: tuple[int, ...] = ()  # ancestral sampling reads no verifier features
     step_growth = 1
+    fill = None  # drafts exactly what it is asked for: no block fill
 
     def __init__(self, state: SequenceState, temperature: float, generator: torch.Generator) -> None:
         self.state = state
@@ -50,8 +51,14 @@ class ModelLevel:
         """Nothing to do: a model level never proposes more than it was asked for."""
 
     def accept(
-        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
+        self,
+        rows: torch.Tensor,
+        keep_len: torch.Tensor,
+        next_token: torch.Tensor,
+        features: StepOutput | None = None,
+        mask: torch.Tensor | None = None,
     ) -> None:
+        keep_len, next_token = masked_accept(self.state, rows, keep_len, next_token, mask)
         self.state.truncate(rows, keep_len, next_token, max_drop=self.proposed + 1)
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -67,4 +74,4 @@ class ModelLevel:
         self.state.timer.reset()
 
     def stats(self) -> dict[str, float]:
-        return {"forward_seconds": self.state.timer.seconds()}
+        return {"forward_seconds": self.state.timer.seconds(), "forwards": self.state.timer.count}

@@ -15,15 +15,20 @@ verifier above asks `at_most` γ_above tokens: this level runs ceil(γ_above / (
 rows, with no host read, and hands over what they emitted (1..γ_above per row) together with its
 model's full distribution log_softmax(ℓ/T) at each of those positions, which the residual
 max(0, p − q) above needs. At T = 0 its output is its model's greedy decode: q is one-hot.
+
+Under an `smc` level, asked for exactly K tokens, it fills the block with a host-chosen number of rounds
+(`BlockFill`): rows already holding K idle through a mask, and rows still short are reported in
+`Proposal.ready`, so the SMC level defers their group's step instead of reading the device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hsmc.engine.host_io import PendingRead, read_counters, upload
+from hsmc.engine.host_io import read_counters
 from hsmc.engine.sampler import gumbel_noise
-from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput
+from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput, masked_accept
+from hsmc.levels.block_fill import BlockFill
 
 
 class RejectionLevel:
@@ -50,6 +55,7 @@ class RejectionLevel:
         self.ahead = 0  # most tokens a row holds past what the caller acknowledged (bounds accept's rollback)
         self.cycles = torch.zeros((), dtype=torch.int64, device=device)  # device counters, read by stats()
         self.emitted = torch.zeros((), dtype=torch.int64, device=device)
+        self.fill = BlockFill(num_draft_tokens, self.cycles, self.emitted)
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         self.state.load_prompts(rows, prompts)
@@ -62,20 +68,20 @@ class RejectionLevel:
 
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
         """The k tokens after each row's acknowledged ones; `at_most` (a verifier above): up to k of them,
-        with their full distributions, from a host-known number of cycles."""
+        with their full distributions, from a host-known number of cycles. Exactly k (an smc level above): a
+        block fill, rows still short marked not `ready`; no host read either way."""
         if at_most:
             return self._draft(rows, k)
-        while True:  # one host read per round: which rows still hold fewer than k tokens
-            short = PendingRead((self.state.seq_len[rows] - self.acknowledged[rows]) < k).result()
-            if not any(short):
-                break
-            self._cycle(rows[upload(torch.tensor([i for i, s in enumerate(short) if s]), rows.device)])
+        for _ in range(self.fill.rounds(k)):
+            self._cycle(rows, active=(self.state.seq_len[rows] - self.acknowledged[rows]) < k)
         self.ahead = k + self.gamma + 1
-        cols = self.acknowledged[rows][:, None] + torch.arange(k, device=rows.device)
+        start = self.acknowledged[rows]
+        cols = (start[:, None] + torch.arange(k, device=rows.device)).clamp_max(self.state.capacity)
         return Proposal(
             tokens=self.state.seq[rows[:, None], cols],
             logq=self.seq_logq[rows[:, None], cols],
             logprobs=None,  # smc, the caller asking for exactly k, reads logq only
+            ready=self.state.seq_len[rows] - start >= k,
         )
 
     def _draft(self, rows: torch.Tensor, k: int) -> Proposal:
@@ -117,11 +123,20 @@ class RejectionLevel:
         self.acknowledged[rows] += n
 
     def accept(
-        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None = None
+        self,
+        rows: torch.Tensor,
+        keep_len: torch.Tensor,
+        next_token: torch.Tensor,
+        features: StepOutput | None = None,
+        mask: torch.Tensor | None = None,
     ) -> None:
+        acknowledged = keep_len + 1
+        if mask is not None:  # a deferred row keeps its partial block: nothing was acknowledged
+            acknowledged = torch.where(mask, acknowledged, self.acknowledged[rows])
+        keep_len, next_token = masked_accept(self.state, rows, keep_len, next_token, mask)
         self.state.truncate(rows, keep_len, next_token, max_drop=self.ahead)
         self.drafter.accept(rows, keep_len, next_token)
-        self.acknowledged[rows] = keep_len + 1
+        self.acknowledged[rows] = acknowledged
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         width = min(self.state.len_bound + 1, self.seq_logq.shape[1])
@@ -135,21 +150,33 @@ class RejectionLevel:
         self.drafter.release(rows)
 
     def set_len_bound(self, bound: int) -> None:
-        self.state.bound_lengths(bound)
-        self.drafter.set_len_bound(bound)
+        """`bound` holds for the level above; rows here may hold up to `ahead` tokens more (a block's surplus)."""
+        self.state.bound_lengths(bound + self.ahead)
+        self.drafter.set_len_bound(bound + self.ahead)
 
     def reset_stats(self) -> None:
         self.state.timer.reset()
         self.cycles.zero_()
         self.emitted.zero_()
+        self.fill.reset()
 
     def stats(self) -> dict[str, float]:
         cycles, emitted = read_counters(self.cycles, self.emitted)
-        return {"mean_accepted_length": emitted / max(cycles, 1), "forward_seconds": self.state.timer.seconds()}
+        stats = {
+            "mean_accepted_length": emitted / max(cycles, 1),
+            "forward_seconds": self.state.timer.seconds(),
+            "forwards": self.state.timer.count,
+        }
+        if self.fill.blocks:
+            stats["mean_fill_rounds"] = self.fill.mean_rounds()
+        return stats
 
-    def _cycle(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _cycle(
+        self, rows: torch.Tensor, active: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft + verify for `rows`; returns the number of drafts each row kept and, at T > 0, the
-        verifier's log_softmax(ℓ/T) at the γ+1 positions from the first draft's on [R, γ+1, V]."""
+        verifier's log_softmax(ℓ/T) at the γ+1 positions from the first draft's on [R, γ+1, V]. Rows where
+        `active` is False run along but keep their state (their drafts are rolled back)."""
         gamma = self.gamma
         draft = self.drafter.propose(rows, gamma, at_most=True)
         base = self.state.seq_len[rows]
@@ -168,10 +195,14 @@ class RejectionLevel:
         cols = (base[:, None] + torch.arange(gamma + 1, device=rows.device)).clamp_max(self.seq_logq.shape[1] - 1)
         self.seq_logq[rows[:, None], cols] = emitted_logq
         keep_len = base + accepted
+        if active is not None:  # an idle row drops its drafts: it keeps its tokens, the last one pending again
+            keep_len = torch.where(active, keep_len, base - 1)
+            token = torch.where(active, token, self.state.seq[rows, base - 1])
         self.state.truncate(rows, keep_len, token, max_drop=gamma + 1)
         self.drafter.accept(rows, keep_len, token, step if self.drafter.feature_layers else None)
-        self.cycles += len(rows)
-        self.emitted += accepted.sum() + len(rows)
+        ran = torch.ones_like(keep_len, dtype=torch.bool) if active is None else active
+        self.cycles += ran.sum()
+        self.emitted += ((accepted + 1) * ran).sum()
         return accepted, logp
 
     def _verify(self, draft: Proposal, p_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,14 +7,25 @@ the weight term log Σ p_T^α at that position. Each cycle the level below propo
 particle, ONE target forward scores [seed, d_1..d_K], the bonus is drawn from softmax(α·L_K/T_t),
 and log-weights (float64) grow by `weight_increments` over the tokens that belong to the output:
 tokens after the one that ends a particle (stop token, stop string, max_new_tokens) never count.
-A group whose ESS falls under τ·N is resampled (systematic by default): every level forks its row
-state dst ← src (block tables and refcounts, no KV bytes). When all particles of a group have
-finished, one is returned, drawn ∝ exp(logw) (or the argmax), with all N particles, the estimate
-log Ẑ (Σ over resampling intervals, the last included, of logsumexp(logw) − log N) and the number
-of resamplings.
+When all particles of a group have finished, one is returned, drawn ∝ exp(logw) (Gumbel noise drawn
+when the group starts) or the argmax, with all N particles, the estimate log Ẑ (Σ over resampling
+intervals, the last included, of logsumexp(logw) − log N) and the number of resamplings.
 
-Host reads per cycle: the new tokens (stop checks need them), then the ESS of the live groups
-together with their would-be ancestors; a rejection level below adds its own (see its `propose`).
+The device decides the cycle. It starts with the resampling plan of every group (ESS test on the
+weights so far; a live group with ESS < τ·N gets systematic ancestors, the others identity ancestors),
+applied by one fork of every level (block tables and refcounts, no KV bytes). Then the proposal, the
+verify, the bonus; without stop strings the ends of the particles (`output_ends`: stop token,
+max_new_tokens) and the weights follow at once. A group whose proposal could not fill its block
+(`Proposal.ready`, a rejection level below) is deferred: the target rolls back, nothing is weighed,
+and the next cycle completes it. Finished particles ride along masked until their group is done.
+
+The host reads once per cycle: the ancestors and the resampled/live/deferred flag of each group, the
+K+1 new tokens of each particle, the proposal's fill counters and every group's would-be result (weights,
+log Ẑ, chosen particle), packed in one copy. Without stop strings the cycle is decided before the
+read, so the host reads cycle t while cycle t+1 already runs (a finished group rides one extra cycle,
+masked). With stop strings the host must see the text before the weights: it reads after the verify,
+uploads each particle's kept count and end, and the weights follow; no overlap there, and a group
+finished by the host gets its result from the next read (one more read after the last cycle).
 """
 
 from __future__ import annotations
@@ -28,9 +39,9 @@ import torch
 from hsmc.engine.host_io import PendingRead, read_counters, upload
 from hsmc.engine.sampler import gumbel_noise, sample
 from hsmc.levels.base import Level, SequenceState
-from hsmc.smc.resampling import multinomial_ancestors, select_particle, systematic_ancestors
+from hsmc.smc.resampling import resampling_plan, select_particle
 from hsmc.smc.weights import effective_sample_size, log_normalizer, weight_increments
-from hsmc.stopping import StopCriteria
+from hsmc.stopping import StopCriteria, output_ends
 from hsmc.streaming import WaveEvent, common_prefix_length
 
 
@@ -68,16 +79,18 @@ class GroupResult:
 class _Group:
     """Host-side view of one request: its rows and each particle's tokens and state."""
 
-    def __init__(self, index: int, rows: list[int]) -> None:
+    def __init__(self, index: int, rows: list[int], length: int) -> None:
         self.index = index  # the group's prompt within the wave
         self.rows = rows
         n = len(rows)
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.finished = [False] * n
         self.reasons = ["length"] * n
+        self.length = length  # every particle's sequence length at the target, as far as read
         self.streamed = 0  # consensus tokens handed out so far
         self.resamplings = 0
-        self.done = False
+        self.live = True  # some particle unfinished, as far as read
+        self.done = False  # result handed out, rows released
 
     def extend(self, i: int, new: list[int], max_new_tokens: int, stop: StopCriteria) -> int:
         """Append particle i's new tokens up to its end; returns how many of them were kept."""
@@ -87,11 +100,32 @@ class _Group:
             self.finished[i], self.reasons[i] = True, reason
         return len(self.tokens[i]) - before
 
+    def resample(self, ancestors: list[int]) -> None:
+        self.tokens = [list(self.tokens[a]) for a in ancestors]
+        self.finished = [self.finished[a] for a in ancestors]
+        self.reasons = [self.reasons[a] for a in ancestors]
+        self.resamplings += 1
+
     def consensus(self) -> list[int]:
         """Tokens shared by every particle that were not handed out yet."""
         shared = common_prefix_length(self.tokens, self.streamed)
         new, self.streamed = self.tokens[0][self.streamed : shared], shared
         return new
+
+
+@dataclass
+class _Cycle:
+    """One launched cycle (or the x0 step): its groups and rows, the device values its weighing needs, and
+    its packed read."""
+
+    groups: list[_Group]
+    rows: torch.Tensor
+    ancestors: torch.Tensor  # int64 [G, N], within each group
+    flags: torch.Tensor  # bool [3, G]: resampled, live (before the cycle), stepped (not deferred)
+    go: torch.Tensor  # bool [R]: the row's group stepped
+    tokens: torch.Tensor  # int64 [R, W]: the new tokens (K drafts + bonus, or x0)
+    scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # target logits, drafts, log q
+    read: PendingRead | None = None
 
 
 class SMCLevel:
@@ -102,21 +136,33 @@ class SMCLevel:
         self.proposal = proposal
         self.params = params
         self.generator = generator
-        self.cycles = 0
-        self.resamples = 0
-        self.ess_sum = torch.zeros((), dtype=torch.float64, device=state.seq.device)
+        slots, device = state.seq.shape[0], state.seq.device
+        self.logw = torch.zeros(slots, dtype=torch.float64, device=device)  # row g*N+i: particle i of group g
+        self.log_z = torch.zeros(slots, dtype=torch.float64, device=device)  # per group: Σ over closed intervals
+        self.noise = torch.zeros(slots, dtype=torch.float64, device=device)  # Gumbel noise of the final selection
+        self.finished = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.generated = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.stop_ids = torch.zeros(0, dtype=torch.int64, device=device)  # of the running wave:
+        self.max_new_tokens = 0
+        self.device_ends = True  # no stop strings: the device finds the ends, the read overlaps the next cycle
+        self.wave_groups = 0
+        self.ess_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.cycles = self.group_cycles = self.resamples = self.deferred = 0
 
     def reset_stats(self) -> None:
         self.state.timer.reset()
-        self.cycles = self.resamples = 0
+        self.cycles = self.group_cycles = self.resamples = self.deferred = 0
         self.ess_sum.zero_()
 
     def stats(self) -> dict[str, float]:
-        group_cycles = max(self.cycles, 1)
+        group_cycles = max(self.group_cycles, 1)
         return {
+            "cycles": self.cycles,
             "mean_ess_fraction": read_counters(self.ess_sum)[0] / group_cycles,
             "resample_rate": self.resamples / group_cycles,
+            "deferred_step_rate": self.deferred / group_cycles,
             "forward_seconds": self.state.timer.seconds(),
+            "forwards": self.state.timer.count,
         }
 
     def set_len_bound(self, bound: int) -> None:
@@ -135,35 +181,35 @@ class SMCLevel:
         """Decode one wave (prompt g uses rows g*N .. g*N+N-1), yielding each group's consensus tokens as
         they settle and, when all its particles have finished, its result."""
         n = self.params.particles
-        groups = [_Group(g, [g * n + i for i in range(n)]) for g in range(len(prompts))]
+        groups = [_Group(g, [g * n + i for i in range(n)], len(p)) for g, p in enumerate(prompts)]
+        self.stop_ids = self._index(sorted(stop.token_ids))
+        self.max_new_tokens, self.device_ends, self.wave_groups = max_new_tokens, not stop.strings, len(groups)
         try:
-            logw, log_z = self._start(groups, prompts, max_new_tokens, stop)
-            while True:
-                yield from self._finish_groups(groups, logw, log_z)
-                active = [(g, i) for g in groups for i in range(n) if not g.finished[i]]
-                if not active:
-                    return
-                act = self._index([g.rows[i] for g, i in active])
-                target, draft, logq, new_tokens = self._cycle(act, self.params.block_size)
-                kept = [g.extend(i, new, max_new_tokens, stop) for (g, i), new in zip(active, new_tokens)]
-                delta = weight_increments(
-                    target, draft, logq, self._index(kept), self.params.alpha, self.params.temperature
-                )
-                logw.view(-1).index_add_(0, act, delta)  # row g*N+i is logw[g, i]
-                live = list(dict.fromkeys(g for g, _ in active))
-                self._release([g.rows[i] for g, i in active if g.finished[i]])
-                self._maybe_resample(live, logw, log_z)
-                for g in live:
-                    if not all(g.finished) and (tokens := g.consensus()):
-                        yield WaveEvent(g.index, tokens)
+            pending: _Cycle | None = self._start(groups, prompts)
+            awaiting: list[_Group] = []  # finished by the host: their results come with the next read
+            while pending is not None:
+                launched = None
+                if self.device_ends and any(g.live for g in groups):
+                    launched = self._launch(groups)  # enqueued before this read is waited for
+                *values, record = pending.read.result()
+                yield from self._results(awaiting, record)
+                events, awaiting, kept, ends = self._settle(pending, values, stop)
+                yield from events
+                if self.device_ends:
+                    yield from self._results(awaiting, record)  # that record was taken after these ends
+                    awaiting = []
+                else:
+                    device = pending.rows.device
+                    self._weigh(pending, self._index(kept), upload(torch.tensor(ends, dtype=torch.bool), device))
+                    if awaiting or any(g.live for g in groups):
+                        launched = self._launch(groups)
+                pending = launched
         finally:
             self._release([r for g in groups for r in g.rows])
 
-    def _start(
-        self, groups: list[_Group], prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill the prompts, fan them out to N particles each, and draw every particle's own x0.
-        Returns the log-weights [G, N] (the x0 term) and the log Ẑ accumulator [G]."""
+    def _start(self, groups: list[_Group], prompts: list[list[int]]) -> _Cycle:
+        """Prefill the prompts, fan them out to N particles each, and draw every particle's own x0: a step of
+        one token, launched like a cycle; the log-weights start at the x0 term."""
         p = self.params
         n = p.particles
         first = self._index([g.rows[0] for g in groups])
@@ -185,21 +231,72 @@ class SMCLevel:
         self.state.append(rows, x0[:, None])
         group_of_row = torch.arange(len(groups), device=rows.device).repeat_interleave(n)
         self.proposal.accept(rows, prompt_len, x0, features and features.take(group_of_row))
-        first_tokens = PendingRead(x0).result()
-        for j, (g, i) in enumerate((g, i) for g in groups for i in range(n)):
-            g.extend(i, [first_tokens[j]], max_new_tokens, stop)
-        self._release([g.rows[i] for g in groups for i in range(n) if g.finished[i]])
-        logw = log_normalizer(logits, p.alpha, p.temperature)[:, None].repeat(1, n)
-        return logw, torch.zeros(len(groups), dtype=torch.float64, device=logw.device)
+        self.logw[rows] = log_normalizer(logits, p.alpha, p.temperature).repeat_interleave(n)
+        self.log_z[: len(groups)] = 0.0
+        self.finished.index_fill_(0, rows, False)
+        self.generated.index_fill_(0, rows, 0)
+        if n > 1 and p.selection == "sample":
+            self.noise[rows] = gumbel_noise((len(rows),), self.generator, rows.device).double()
+        identity = torch.arange(n, device=rows.device).expand(len(groups), n)
+        flags = torch.ones(3, len(groups), dtype=torch.bool, device=rows.device)
+        flags[0] = False  # no group resampled
+        go = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+        return self._read(_Cycle(groups, rows, identity, flags, go, x0[:, None]))
 
-    def _cycle(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
-        """One SMC cycle for active particle rows: the target logits [R, K+1, V], drafts and their log q,
-        and the K+1 new tokens of each row (read to the host in one copy)."""
+    def _launch(self, groups: list[_Group]) -> _Cycle:
+        """Enqueue one cycle of the live groups and its read (no live group: only the read of the results,
+        for groups the host has finished)."""
+        live = [g for g in groups if g.live]
+        # each row still holding state is at most this long when the cycle starts (+ one cycle in flight)
+        self.set_len_bound(max(g.length for g in groups if not g.done) + self.params.block_size + 1)
+        rows = self._index([r for g in live for r in g.rows])
+        if not live:
+            n, empty = self.params.particles, torch.zeros(0, dtype=torch.int64, device=rows.device)
+            flags = torch.zeros(3, 0, dtype=torch.bool, device=rows.device)
+            return self._read(_Cycle([], rows, empty.view(0, n), flags, empty.bool(), empty.view(0, 1)))
+        return self._read(self._cycle(live, rows))
+
+    def _read(self, step: _Cycle) -> _Cycle:
+        """Decide the ends and weights on the device where it can, then pack the cycle's one read."""
+        if self.device_ends:
+            kept, ends = output_ends(step.tokens, self.generated[step.rows], self.stop_ids, self.max_new_tokens)
+            self._weigh(step, kept, ends)
+        fill = self.proposal.fill.counters() if self.proposal.fill is not None else []
+        step.read = PendingRead(step.ancestors, step.flags, step.tokens, *fill, self._record())
+        return step
+
+    def _cycle(self, groups: list[_Group], rows: torch.Tensor) -> _Cycle:
+        """Resampling plan and fork, K proposals, one target forward, the bonus (all on the device)."""
         p = self.params
+        n, k, g = p.particles, p.block_size, len(groups)
+        self.cycles += 1
+        logw = self.logw[rows].view(g, n)
+        live = ~self.finished[rows].view(g, n).all(-1)
+        resampled = torch.zeros(g, dtype=torch.bool, device=rows.device)
+        ancestors = torch.arange(n, device=rows.device).expand(g, n)
+        if n >= 2 and p.ess_threshold > 0:
+            shape = (g,) if p.resampling == "systematic" else (g, n)
+            uniforms = torch.rand(shape, generator=self.generator, device=rows.device, dtype=torch.float64)
+            ancestors, resampled, ess = resampling_plan(logw, live, uniforms, p.ess_threshold, p.resampling)
+            group_index = self._index([grp.index for grp in groups])
+            closed = torch.logsumexp(logw, -1) - math.log(n)
+            self.log_z.index_add_(0, group_index, torch.where(resampled, closed, 0.0))
+            self.logw[rows] = torch.where(resampled[:, None], 0.0, logw).reshape(-1)
+            src = rows.view(g, n).gather(1, ancestors).reshape(-1)  # identity rows copy onto themselves
+            self.state.fork(src, rows)
+            self.proposal.fork(src, rows)
+            self.finished[rows], self.generated[rows] = self.finished[src], self.generated[src]
+        else:
+            ess = effective_sample_size(logw)
+        self.ess_sum += (ess / n * live).sum()
         base = self.state.seq_len[rows]  # seq ends with the seed (last bonus / x0)
+        seed = self.state.seq[rows, base - 1]
+        go = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
         if k:
             prop = self.proposal.propose(rows, k)
             draft, logq = prop.tokens, prop.logq
+            if prop.ready is not None:  # a group steps when all its particles have their block
+                go = prop.ready.view(g, n).all(-1).repeat_interleave(n)
             self.state.append(rows, draft)
         else:
             draft = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)
@@ -207,72 +304,81 @@ class SMCLevel:
         step = self.state.forward(rows)
         target = step.last(k + 1).float()  # L_0..L_K
         bonus, _ = sample(p.alpha * target[:, k], p.temperature, self.generator)
-        keep_len = base + k
-        self.state.truncate(rows, keep_len, bonus, max_drop=k + 1)
+        # a deferred row drops its drafts and its seed's KV: the seed is processed again next cycle
+        keep_len = torch.where(go, base + k, base - 1)
+        self.state.truncate(rows, keep_len, torch.where(go, bonus, seed), max_drop=k + 1)
         if k:
-            self.proposal.accept(rows, keep_len, bonus, step if self.proposal.feature_layers else None)
-        return target, draft, logq, PendingRead(torch.cat([draft, bonus[:, None]], 1)).result()
+            features = step if self.proposal.feature_layers else None
+            mask = None if prop.ready is None else go
+            self.proposal.accept(rows, base + k, bonus, features, mask=mask)
+        flags = torch.stack([resampled, live, go.view(g, n)[:, 0]])
+        new_tokens = torch.cat([draft, bonus[:, None]], 1)
+        return _Cycle(groups, rows, ancestors, flags, go, new_tokens, (target, draft, logq))
 
-    def _maybe_resample(self, live: list[_Group], logw: torch.Tensor, log_z: torch.Tensor) -> None:
-        """Resample the live groups whose ESS fell under τ·N (ESS and ancestors come to the host in one read);
-        a resampled group's interval ends: log Ẑ gains logsumexp(logw) − log N and logw restarts at 0."""
-        p = self.params
-        n = p.particles
-        index = self._index([g.index for g in live])
-        ess = effective_sample_size(logw[index])
-        self.cycles += len(live)
-        self.ess_sum += (ess / n).sum()
-        if n < 2 or p.ess_threshold <= 0:
-            return
-        if p.resampling == "systematic":
-            u = torch.rand(len(live), generator=self.generator, device=logw.device, dtype=torch.float64)
-            ancestors = systematic_ancestors(logw[index], u)
-        else:
-            u = torch.rand(len(live), n, generator=self.generator, device=logw.device, dtype=torch.float64)
-            ancestors = multinomial_ancestors(logw[index], u)
-        plan = PendingRead(torch.cat([ess[:, None], ancestors.double()], 1)).result()
-        low = [(g, [int(a) for a in row[1:]]) for g, row in zip(live, plan) if row[0] < p.ess_threshold * n]
-        if not low:
-            return
-        self.resamples += len(low)
-        low_index = self._index([g.index for g, _ in low])
-        log_z.index_add_(0, low_index, torch.logsumexp(logw[low_index], -1) - math.log(n))
-        logw.index_fill_(0, low_index, 0.0)
-        fork_src, fork_dst, dead = [], [], []
-        for g, ancestors_of in low:
-            g.resamplings += 1
-            for i, a in enumerate(ancestors_of):
-                if a == i:
-                    continue
-                if g.finished[a]:
-                    if not g.finished[i]:
-                        dead.append(g.rows[i])
-                else:
-                    fork_src.append(g.rows[a])
-                    fork_dst.append(g.rows[i])
-            g.tokens = [list(g.tokens[a]) for a in ancestors_of]
-            g.finished = [g.finished[a] for a in ancestors_of]
-            g.reasons = [g.reasons[a] for a in ancestors_of]
-        if fork_src:
-            src, dst = self._index(fork_src), self._index(fork_dst)
-            self.state.fork(src, dst)
-            self.proposal.fork(src, dst)
-        if dead:
-            self._release(dead)
+    def _weigh(self, step: _Cycle, kept: torch.Tensor, ends: torch.Tensor) -> None:
+        """Apply the ends (kept tokens [R], output ended [R]) of a step: weights over the kept tokens, the
+        particles' lengths and finished flags. Rows already finished or deferred keep theirs."""
+        rows = step.rows
+        counted = step.go & ~self.finished[rows]
+        kept = torch.where(counted, kept, 0)
+        if step.scores is not None:
+            target, draft, logq = step.scores
+            delta = weight_increments(target, draft, logq, kept, self.params.alpha, self.params.temperature)
+            self.logw.index_add_(0, rows, delta)
+            step.scores = None  # the target logits [R, K+1, V] are not needed past here
+        self.generated.index_add_(0, rows, kept)
+        self.finished[rows] = self.finished[rows] | (ends & counted)
 
-    def _finish_groups(self, groups: list[_Group], logw: torch.Tensor, log_z: torch.Tensor) -> Iterator[WaveEvent]:
-        """Select the returned particle of every group whose particles have all finished (one read for all)."""
-        ready = [g for g in groups if not g.done and all(g.finished)]
-        if not ready:
-            return
+    def _record(self) -> torch.Tensor:
+        """Every group's would-be result [G, N+2]: the log-weights, log Ẑ so far and the chosen particle."""
+        n, g = self.params.particles, self.wave_groups
+        w = self.logw[: g * n].view(g, n)
+        chosen = select_particle(w, self.params.selection, self.noise[: g * n].view(g, n))
+        log_z = self.log_z[:g] + torch.logsumexp(w, -1) - math.log(n)
+        return torch.cat([w, log_z[:, None], chosen[:, None].double()], 1)
+
+    def _settle(
+        self, step: _Cycle, values: list, stop: StopCriteria
+    ) -> tuple[list[WaveEvent], list[_Group], list[int], list[bool]]:
+        """Mirror a read step on the host: resample the groups' token lists, append the new tokens up to each
+        particle's end. Returns the consensus events, the groups now finished, and each row's kept count and
+        end (what the device is told with stop strings)."""
+        ancestors, (resampled, live, stepped), tokens, *fill = values
+        if fill:
+            self.proposal.fill.observe(fill)
         n = self.params.particles
-        index = self._index([g.index for g in ready])
-        w = logw[index]
-        gumbel = gumbel_noise(w.shape, self.generator, w.device).double()
-        chosen = select_particle(w, self.params.selection, gumbel)
-        final_log_z = log_z[index] + torch.logsumexp(w, -1) - math.log(n)
-        values = PendingRead(torch.cat([w, final_log_z[:, None], chosen[:, None].double()], 1)).result()
-        for g, row in zip(ready, values):
+        kept: list[int] = []
+        ends: list[bool] = []
+        for j, g in enumerate(step.groups):
+            if resampled[j]:
+                g.resample([int(a) for a in ancestors[j]])
+            if live[j]:
+                self.group_cycles += 1
+                self.resamples += int(resampled[j])
+                self.deferred += int(not stepped[j])
+            if stepped[j]:
+                g.length += len(tokens[j * n])
+            for i in range(n):
+                was = g.finished[i]
+                new = [int(t) for t in tokens[j * n + i]]
+                kept.append(g.extend(i, new, self.max_new_tokens, stop) if stepped[j] and not was else 0)
+                ends.append(g.finished[i])
+        events, finished = [], []
+        for g in step.groups:
+            if g.live and all(g.finished):
+                g.live = False
+                finished.append(g)
+            elif g.live and (new_tokens := g.consensus()):
+                events.append(WaveEvent(g.index, new_tokens))
+        return events, finished, kept, ends
+
+    def _results(self, groups: list[_Group], record: list[list[float]]) -> Iterator[WaveEvent]:
+        """Hand out the results of finished groups from a record taken after their last weighing."""
+        n = self.params.particles
+        for g in groups:
+            row = record[g.index]
             g.done = True
             result = GroupResult(g.tokens, g.reasons, row[:n], row[n], g.resamplings, int(row[n + 1]))
             yield WaveEvent(g.index, result.token_ids[g.streamed :], result.finish_reason, result)
+        if groups:
+            self._release([r for g in groups for r in g.rows])

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hsmc.config import HsmcConfig, LevelConfig
-from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head
+from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, random_eagle3_head
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.scheduler import lookahead_tokens
@@ -19,6 +19,7 @@ from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.smc import SMCLevel, SMCParams
 from hsmc.models.loading import LoadedModel, load_model
+from hsmc.models.shapes import SHAPES, random_loaded, random_shape
 from hsmc.ops.backend import Backend, TorchBackend
 
 
@@ -71,7 +72,11 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
             return models[lc.model]
         key = (lc.model, lc.dtype, lc.num_layers)
         if key not in loaded:
-            loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers)
+            shape = random_shape(lc.model)
+            if shape is not None:
+                loaded[key] = random_loaded(shape, lc.dtype, device, lc.num_layers)
+            else:
+                loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers)
         return loaded[key]
 
     def tables() -> BlockTables:
@@ -84,7 +89,11 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
         if lc.kind == "eagle3":
             above = cfg.levels[i + 1]
             verifier = model_of(above).model
-            head, head_config = load_eagle3_head(lc.model, lc.dtype, device)
+            shape = random_shape(lc.model)
+            if shape is not None:
+                head, head_config = random_eagle3_head(SHAPES[shape], lc.dtype, device)
+            else:
+                head, head_config = load_eagle3_head(lc.model, lc.dtype, device)
             layers = capture_layers(head_config, verifier.config.num_layers)
             runner = ModelRunner(head, tables(), backend, num_layers=1, cuda_graphs=graphs)
             embed = verifier.model.embed_tokens

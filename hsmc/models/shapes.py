@@ -3,16 +3,23 @@
 Decode speed depends on the shapes (bytes read per step), not on the weight values, so a benchmark
 of a random model of Qwen3-8B's exact shape measures what Qwen3-8B would run at. Weights are drawn on
 the target device directly (normal, std 0.02; norms 1), never zeros (METHOD.md: zeros can time faster).
+A config level names one as `model: random:qwen3-8b` (an `eagle3` level: a head shaped for that verifier);
+levels naming the same source share one model, so a self-draft is two levels with the same name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from hsmc.errors import ConfigError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
+from hsmc.models.loading import DTYPES, LoadedModel
+
+RANDOM_PREFIX = "random:"
 
 _QWEN3 = dict(
     model_type="qwen3",
@@ -40,6 +47,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=12288,
         num_hidden_layers=36,
         num_attention_heads=32,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-14b": dict(
+        _QWEN3,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
         tie_word_embeddings=False,
     ),
     "qwen3-32b": dict(
@@ -72,6 +87,26 @@ SHAPES: dict[str, dict[str, Any]] = {
         eos_token_id=128009,
     ),
 }
+
+
+def random_shape(source: str) -> str | None:
+    """The shape a `random:NAME` model source names; None for any other source."""
+    if not source.startswith(RANDOM_PREFIX):
+        return None
+    name = source[len(RANDOM_PREFIX) :]
+    if name not in SHAPES:
+        raise ConfigError(f"model {source!r}: unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    return name
+
+
+def random_loaded(shape: str, dtype: str, device: torch.device | str, num_layers: int | None = None) -> LoadedModel:
+    """A level's model of a named shape with random weights (no tokenizer); `num_layers` keeps the first n."""
+    cfg = DecoderConfig.from_hf(hf_config(shape), source=RANDOM_PREFIX + shape)
+    if num_layers is not None:
+        if not 0 < num_layers <= cfg.num_layers:
+            raise ConfigError(f"{RANDOM_PREFIX}{shape}: num_layers={num_layers} but the shape has {cfg.num_layers}")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    return LoadedModel(random_model(cfg, DTYPES[dtype], device), None, RANDOM_PREFIX + shape)
 
 
 def hf_config(shape: str) -> Any:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from hsmc.smc.weights import effective_sample_size
+
 
 def _inverse_cdf(logw: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     """Particle index whose cumulative normalized weight first reaches each point in [0, 1)."""
@@ -39,3 +41,18 @@ def select_particle(logw: torch.Tensor, mode: str, gumbel: torch.Tensor | None =
             raise ValueError("select_particle(mode='sample') needs Gumbel noise")
         return (logw.double() + gumbel.double()).argmax(-1)
     raise ValueError(f"selection must be 'sample' or 'argmax', got {mode!r}")
+
+
+def resampling_plan(
+    logw: torch.Tensor, live: torch.Tensor, uniforms: torch.Tensor, threshold: float, scheme: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The resampling decision of every group, made on the device: (ancestors int64 [G, N], resample bool [G],
+    ESS float64 [G]). A live group (some particle unfinished) resamples when its ESS < threshold·N; the others
+    get identity ancestors, so the caller applies one fork to all groups with no branch on the host.
+    `uniforms`: [G] for `systematic`, [G, N] for `multinomial`."""
+    n = logw.shape[-1]
+    ess = effective_sample_size(logw)
+    resample = live & (ess < threshold * n)
+    drawn = systematic_ancestors(logw, uniforms) if scheme == "systematic" else multinomial_ancestors(logw, uniforms)
+    identity = torch.arange(n, device=logw.device).expand_as(drawn)
+    return torch.where(resample[:, None], drawn, identity), resample, ess

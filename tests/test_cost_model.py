@@ -1,0 +1,91 @@
+"""`hsmc.cost_model` against step times worked out by hand, and `hsmc bench --config` on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import make_tiny_model
+
+from hsmc.cli import main
+from hsmc.cost_model import LevelCost, predict, roofline, with_accepted_length
+from hsmc.decoder import HierarchicalDecoder
+from hsmc.errors import ConfigError
+
+
+def test_smc_over_a_model():
+    """K = 8 proposal forwards of 8 ms and one 20 ms verify make a cycle of 84 ms and 9 tokens."""
+    stack = [LevelCost("model", 8.0), LevelCost("smc", 20.0, block_size=8)]
+    p = predict(stack)
+    assert p.step_ms == pytest.approx(84.0) and p.tokens_per_step == 9
+    assert p.tokens_per_s == pytest.approx(9 / 0.084)
+    # the weight-read bound of the same cycle: 16.4 GB and 65.5 GB at 4.24 TB/s
+    bound = roofline(stack, [16.4 / 4.24, 65.5 / 4.24])
+    assert bound.step_ms == pytest.approx((8 * 16.4 + 65.5) / 4.24)
+    assert bound.tokens_per_s == pytest.approx(9 / ((8 * 16.4 + 65.5) / 4240))
+
+
+def test_hierarchical_block_fill_and_deferrals():
+    """A block of 16 at 3.5 tokens per round: ceil(16 / 3.5) + 1 = 6 rounds of 4 head steps (0.5 ms) and one
+    8 ms verify = 60 ms, plus the 20 ms target verify; a tenth of the cycles deferred: 17 * 0.9 tokens."""
+    stack = [
+        LevelCost("eagle3", 0.5),
+        LevelCost("rejection", 8.0, gamma=4, accepted_length=3.5, fill_margin=1),
+        LevelCost("smc", 20.0, block_size=16, deferral_rate=0.1),
+    ]
+    p = predict(stack)
+    assert p.step_ms == pytest.approx(80.0) and p.tokens_per_step == pytest.approx(15.3)
+    # a perfect drafter (accepted length γ + 1 = 5): ceil(16 / 5) + 1 = 5 rounds
+    assert predict(with_accepted_length(stack, 5.0)).step_ms == pytest.approx(5 * 10 + 20)
+
+
+def test_rejection_tops_and_rejection_under_rejection():
+    """[model 1 ms, rejection 4 ms (γ = 2), rejection 10 ms (γ = 3, 3 tokens per cycle)]: the lower level runs
+    ceil(3 / 3) = 1 cycle of 2 drafts + its verify (6 ms) per top cycle of 16 ms and 3 tokens."""
+    stack = [
+        LevelCost("model", 1.0),
+        LevelCost("rejection", 4.0, gamma=2, accepted_length=2.5),
+        LevelCost("rejection", 10.0, gamma=3, accepted_length=3.0),
+    ]
+    p = predict(stack)
+    assert p.step_ms == pytest.approx(16.0) and p.tokens_per_s == pytest.approx(187.5)
+    assert predict([LevelCost("model", 5.0)]).tokens_per_s == pytest.approx(200.0)
+
+
+def test_unknown_random_shape_is_a_clear_error():
+    with pytest.raises(ConfigError, match="unknown shape 'qwen9'.*qwen3-8b"):
+        HierarchicalDecoder.from_config({"levels": [{"model": "random:qwen9"}]})
+
+
+def test_bench_config_on_the_cpu(tmp_path, capsys):
+    """Rows for every number of requests, with the step against its bound, the cost model's prediction (also
+    at a stated accepted length, the stack having a rejection level) and every level's statistics."""
+    draft = make_tiny_model("llama", tmp_path / "draft", seed=1)
+    target = make_tiny_model("llama", tmp_path / "target", seed=2)
+    config = tmp_path / "stack.yaml"
+    config.write_text(
+        f"levels:\n  - {{kind: model, model: {draft}, temperature: 1.0}}\n"
+        f"  - {{kind: rejection, model: {draft}, temperature: 1.0, num_draft_tokens: 2}}\n"
+        f"  - {{kind: smc, model: {target}, temperature: 1.0, particles: 2, block_size: 3}}\n"
+    )
+    args = ["bench", "--config", str(config), "--batch", "1,3", "--prompt-tokens", "4", "--new-tokens", "9"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["name"] == "stack" for r in rows)
+    for r in rows:
+        assert r["tok_s_total"] == pytest.approx(r["batch"] * r["tok_s_request"])
+        assert (
+            r["step_ms"] > 0
+            and r["bound_step_ms"] > 0
+            and r["of_bound"] == pytest.approx(r["step_ms"] / r["bound_step_ms"])
+        )
+        assert r["predicted_tok_s_request"] > 0 and set(r["predicted_at"]) == {"3.5"}
+        assert [lv["kind"] for lv in r["levels"]] == ["model", "rejection", "smc"]
+        assert all(0 <= lv["share_of_time"] <= 1 and lv["forward_ms"] > 0 for lv in r["levels"])
+        rejection, smc = r["levels"][1:]
+        # the drafter is the verifier: every draft is accepted, γ + 1 tokens per round
+        assert rejection["mean_accepted_length"] == pytest.approx(3.0) and rejection["mean_fill_rounds"] >= 1
+        assert {"mean_ess_fraction", "resample_rate", "deferred_step_rate"} <= set(smc)
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "bound ms" in table and "deferred" in table and "fill rounds" in table
