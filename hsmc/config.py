@@ -20,7 +20,7 @@ from hsmc.errors import ConfigError
 
 T = TypeVar("T")
 LEVEL_KINDS = ("model", "eagle3", "rejection", "smc")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "fp8")  # fp8: block-scaled FP8 weights, bf16 activations
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
@@ -192,6 +192,8 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
             yield f"{key}.kind", f"={level.kind!r} is not one of {', '.join(LEVEL_KINDS)}"
         if level.dtype not in DTYPE_NAMES:
             yield f"{key}.dtype", f"={level.dtype!r} is not one of {', '.join(DTYPE_NAMES)}"
+        if level.kind == "eagle3" and level.dtype == "fp8":
+            yield f"{key}.dtype", "='fp8' is for decoder models; an EAGLE3 head loads as float32, bfloat16 or float16"
         if level.temperature < 0:
             yield f"{key}.temperature", f" must be >= 0, got {level.temperature}"
         if level.num_layers is not None and level.num_layers <= 0:
