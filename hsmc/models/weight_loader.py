@@ -24,7 +24,7 @@ from torch import nn
 from hsmc.errors import ModelLoadError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
-from hsmc.ops.fp8_linear import FP8_DTYPE, Fp8Format, Fp8Linear, check_parts, quantize_fp8
+from hsmc.ops.fp8_linear import FP8_DTYPE, Fp8Format, Fp8Linear, layer_linears, quantize_fp8, swap_for_fp8
 
 IGNORED_KEYS = ("rotary_emb.inv_freq",)
 
@@ -132,10 +132,8 @@ def _use_fp8(
     """Swap each decoder-layer Linear for an Fp8Linear where the checkpoint stores it in FP8 (its weight
     has a `weight_scale_inv`) or where `quantize_block` asks for it; returns the modules quantized here."""
     swapped, quantized = False, set()
-    for name, module in list(model.model.layers.named_modules(prefix="model.layers")):
-        if not isinstance(module, nn.Linear):
-            continue
-        weights = _checkpoint_names(name, module, "weight")
+    for name in layer_linears(model):
+        weights = _checkpoint_names(name, model.get_submodule(name), "weight")
         scaled = [f"{k}_scale_inv" in keys for k in weights]
         if any(scaled) and not all(scaled):
             raise ModelLoadError(f"{source}: only some parts of {name} have a weight_scale_inv")
@@ -144,13 +142,7 @@ def _use_fp8(
         block = fmt.block if all(scaled) and fmt is not None else quantize_block
         if block is None:
             continue
-        parts = getattr(module, "parts", None)
-        if parts:
-            check_parts(parts, block, f"{source}: {name}")
-        with torch.device("meta"):
-            fp8 = Fp8Linear(module.in_features, module.out_features, module.bias is not None, block, parts)
-        owner, _, child = name.rpartition(".")
-        model.get_submodule(owner).add_module(child, fp8)
+        fp8 = swap_for_fp8(model, name, block, source)
         swapped = True
         if not all(scaled):
             quantized.add(fp8)

@@ -116,13 +116,14 @@ class Fp8Linear(nn.Module):
         bias: bool,
         block: tuple[int, int],
         parts: list[tuple[str, int]] | None = None,
+        bias_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.block, self.parts = in_features, out_features, block, parts
         nb, kb = -(-out_features // block[0]), -(-in_features // block[1])
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(nb, kb, dtype=torch.float32), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
@@ -139,6 +140,25 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, fp8"
+
+
+def swap_for_fp8(model: nn.Module, name: str, block: tuple[int, int], where: str) -> Fp8Linear:
+    """Replace the Linear (or FusedLinear) `name` of `model` by an uninitialised (meta) Fp8Linear of its shape."""
+    module = model.get_submodule(name)
+    parts = getattr(module, "parts", None)
+    if parts:
+        check_parts(parts, block, f"{where}: {name}")
+    with torch.device("meta"):
+        bias_dtype = module.bias.dtype if module.bias is not None else None
+        fp8 = Fp8Linear(module.in_features, module.out_features, module.bias is not None, block, parts, bias_dtype)
+    owner, _, child = name.rpartition(".")
+    model.get_submodule(owner).add_module(child, fp8)
+    return fp8
+
+
+def layer_linears(model: nn.Module) -> list[str]:
+    """Names of the decoder layers' Linears: what FP8 checkpoints quantize (not embeddings, head or norms)."""
+    return [n for n, m in model.model.layers.named_modules(prefix="model.layers") if isinstance(m, nn.Linear)]
 
 
 def check_parts(parts: list[tuple[str, int]], block: tuple[int, int], where: str) -> None:
