@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from conftest import make_tiny_model
 
 import hsmc.levels.stack
@@ -92,3 +95,50 @@ def test_built_stack_that_does_not_fit_names_the_numbers(tiny, monkeypatch):
         r"\(2 models\), fewer than the 20 one prompt needs",
     ):
         HierarchicalDecoder(config(tiny))
+
+
+def real_shape_folders(root):
+    """config.json of Qwen3-8B and -32B (bf16 and Qwen's FP8 layout) and of an EAGLE3 head for the 8B, with a
+    placeholder weight file: what preflight reads, no weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hsmc.eagle.checkpoint import new_head_config
+    from hsmc.models.shapes import hf_config
+
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+    configs = {}
+    for shape in ("qwen3-8b", "qwen3-32b"):
+        config = hf_config(shape).to_dict()
+        configs[shape], configs[f"{shape}-fp8"] = config, {**config, "quantization_config": fp8}
+    configs["head"] = new_head_config(configs["qwen3-8b"], 32000)
+    for name, config in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        save_file({"placeholder": torch.zeros(1)}, root / name / "model.safetensors")
+    return {name: str(root / name) for name in configs}
+
+
+@pytest.mark.parametrize(
+    "variant,free_gib,fits",
+    [("-fp8", 79.0, True), ("", 139.0, True), ("", 79.0, False)],
+    ids=["fp8-on-h100", "bf16-on-h200", "bf16-on-h100"],
+)
+def test_headline_stack_memory_by_the_preflight_estimate(tmp_path, monkeypatch, variant, free_gib, fits):
+    """configs/qwen3_32b.yaml's stack (FP8) fits one H100 80 GB with a full admission wave; the bf16 variant
+    fits an H200 and is refused on an H100 before anything loads."""
+    folders = real_shape_folders(tmp_path)
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "qwen3_32b.yaml",
+        [f"levels.0.model={folders['head']}", f"levels.1.model={folders['qwen3-8b' + variant]}",
+         f"levels.2.model={folders['qwen3-32b' + variant]}"],
+    )  # fmt: skip
+    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: int(free_gib * GIB))
+    if not fits:
+        with pytest.raises(KVCapacityError, match="2.0 GiB estimated free after 77.0 GiB of weights"):
+            hsmc.preflight.estimated_kv_capacity(cfg)
+        return
+    slots = hsmc.preflight.estimated_kv_capacity(cfg)
+    wave = 8 * (6 * (1024 + 22) + 2048)  # 48 rows: 8 prompts of 2048 tokens x 6 particles x (1024 new + lookahead)
+    assert slots >= wave, slots
