@@ -34,8 +34,10 @@ def block_table_bytes_per_token(max_rows: int) -> int:
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on `device` now: the CUDA allocator's view, or the host's MemAvailable on the CPU."""
+    """Bytes free on `device` now: the driver's view once the allocator's cached blocks are handed back
+    (what loading left cached is free for the pools), or the host's MemAvailable on the CPU."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
