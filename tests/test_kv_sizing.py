@@ -142,3 +142,18 @@ def test_headline_stack_memory_by_the_preflight_estimate(tmp_path, monkeypatch, 
     slots = hsmc.preflight.estimated_kv_capacity(cfg)
     wave = 8 * (6 * (1024 + 22) + 2048)  # 48 rows: 8 prompts of 2048 tokens x 6 particles x (1024 new + lookahead)
     assert slots >= wave, slots
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_auto_on_a_machine_without_cuda_is_one_config_error(tiny, tmp_path, capsys):
+    import yaml
+
+    from hsmc.cli import main
+
+    path = tmp_path / "cuda.yaml"
+    path.write_text(yaml.safe_dump({"levels": [{"model": str(tiny)}], "engine": {"device": "cuda"}}))
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n')
+    assert main(["generate", "--config", str(path), "--prompts-file", str(prompts)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hsmc: error: engine.device='cuda' but no CUDA device is available"]

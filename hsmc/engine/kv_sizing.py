@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hsmc.errors import KVCapacityError
+from hsmc.errors import ConfigError, KVCapacityError
 from hsmc.models.config import DecoderConfig
 
 RESERVE_BYTES = 2 * 2**30  # CUDA graph pools, logits and activations of the largest forward
@@ -37,6 +37,8 @@ def free_memory(device: torch.device) -> int:
     """Bytes free on `device` now: the driver's view once the allocator's cached blocks are handed back
     (what loading left cached is free for the pools), or the host's MemAvailable on the CPU."""
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"engine.device={str(device)!r} but no CUDA device is available")
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
     for line in Path("/proc/meminfo").read_text().splitlines():
