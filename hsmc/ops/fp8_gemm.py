@@ -5,7 +5,8 @@ the bytes of bf16. The kernel loads the FP8 tile, converts it to the activation 
 e4m3 value is a bf16/fp16/fp32 value), runs a tensor-core dot with fp32 accumulation per K tile and
 multiplies the partial product by the tile's weight scales (a K tile never straddles a scale block, so
 the scale is constant along it). Few rows (decode, verify) give too few output tiles to fill the GPU, so
-K is split across programs whose fp32 partials are summed afterwards (split-K). `dequantize_fp8`
+K is split across programs whose fp32 partials one more small kernel sums and rounds (split-K); with one
+split the GEMM writes the output itself, so a decode Linear is one or two kernels. `dequantize_fp8`
 expands a weight for the many-row case, where cuBLAS on the dequantized matrix wins.
 """
 
@@ -90,7 +91,17 @@ def _fp8_gemm_kernel(
             part = tl.dot(x, w.to(x.dtype))
         acc += part * scale[None, :]
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + i * size + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def fp8_gemm(
@@ -105,7 +116,9 @@ def fp8_gemm(
         raise ValueError(f"K tile {plan.block_k} must divide the scale block {scale_k}")
     x = x.contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, plan.split_k), plan.block_k) * plan.block_k
-    partial = torch.empty(plan.split_k, m, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # one split writes the output directly; several write fp32 partials that one more kernel sums
+    partial = out if plan.split_k == 1 else torch.empty(plan.split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.split_k)
     _fp8_gemm_kernel[grid](
         x,
@@ -128,8 +141,10 @@ def fp8_gemm(
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    out = partial[0] if plan.split_k == 1 else partial.sum(0)
-    return out.to(x.dtype)
+    if plan.split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=plan.split_k, BLOCK=block)
+    return out
 
 
 @triton.jit
