@@ -92,9 +92,10 @@ def test_fp8_model_decodes_like_its_dequantized_reference(tiny_qwen3):
 QWEN_FP8_SHAPE = dict(hidden_size=192, intermediate_size=256, num_attention_heads=2, head_dim=128, num_hidden_layers=2)
 
 
-def write_qwen_fp8_checkpoint(dense_folder, folder):
-    """Qwen's FP8 release layout: config.json with quantization_config, every decoder-layer Linear as
-    float8_e4m3fn `weight` + fp32 `weight_scale_inv` per 128x128 block, the rest bf16, two shards."""
+def write_qwen_fp8_checkpoint(dense_folder, folder, not_converted=()):
+    """Qwen's FP8 release layout: config.json with quantization_config, every decoder-layer Linear (but the
+    `not_converted` ones) as float8_e4m3fn `weight` + fp32 `weight_scale_inv` per 128x128 block, the rest
+    bf16, two shards."""
     from safetensors.torch import load_file, save_file
 
     folder.mkdir()
@@ -104,11 +105,12 @@ def write_qwen_fp8_checkpoint(dense_folder, folder):
         "fmt": "e4m3",
         "quant_method": "fp8",
         "weight_block_size": [128, 128],
+        "modules_to_not_convert": list(not_converted),
     }
     (folder / "config.json").write_text(json.dumps(config))
     state = {}
     for key, value in load_file(dense_folder / "model.safetensors").items():
-        if ".layers." in key and key.endswith("proj.weight"):
+        if ".layers." in key and key.endswith("proj.weight") and key.removesuffix(".weight") not in not_converted:
             state[key], state[key + "_scale_inv"] = quantize_fp8(value, (128, 128))
         else:
             state[key] = value.to(torch.bfloat16)
@@ -123,10 +125,11 @@ def write_qwen_fp8_checkpoint(dense_folder, folder):
 
 def test_qwen_fp8_checkpoint_loads_as_its_dequantized_model(tmp_path):
     dense = make_tiny_model("qwen3", tmp_path / "dense", **QWEN_FP8_SHAPE)
-    state = write_qwen_fp8_checkpoint(dense, tmp_path / "fp8")
+    state = write_qwen_fp8_checkpoint(dense, tmp_path / "fp8", not_converted=("model.layers.1.mlp.down_proj",))
     model = load_model(str(tmp_path / "fp8"), "float32").model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Fp8Linear) and qkv.weight_scale_inv.shape == (6, 2)  # q, k, v: 256 rows each; K = 192
+    assert not isinstance(model.model.layers[1].mlp.down_proj, Fp8Linear)  # left in bf16 by the checkpoint
     saved = model.state_dict()  # fused parts come back out under the checkpoint's names, scales included
     assert set(saved) == set(state)
     assert all(torch.equal(saved[k].float(), state[k].float()) for k in state if k.endswith("_scale_inv"))

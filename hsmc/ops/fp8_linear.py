@@ -30,10 +30,13 @@ TRITON_MAX_ROWS = 256
 
 @dataclass(frozen=True)
 class Fp8Format:
-    """What a checkpoint's `quantization_config` promises: block-scaled e4m3 weights, dynamic activations."""
+    """What a checkpoint's `quantization_config` promises: block-scaled e4m3 weights, dynamic activations.
+
+    Which modules are FP8 (`modules_to_not_convert` lists the others) the loader reads from the weights
+    themselves: a Linear is FP8 exactly where the checkpoint has its `weight_scale_inv`.
+    """
 
     block: tuple[int, int]
-    modules_to_not_convert: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str) -> Fp8Format | None:
@@ -58,8 +61,7 @@ class Fp8Format:
                 f"{source}: quantization_config.activation_scheme={q['activation_scheme']!r} is not supported "
                 "(hsmc keeps activations unquantized: only 'dynamic' checkpoints carry no activation scales)"
             )
-        skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
-        return cls((block[0], block[1]), tuple(skip))
+        return cls((block[0], block[1]))
 
 
 def _expand(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
