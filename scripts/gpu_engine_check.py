@@ -567,7 +567,22 @@ def check_fp8_gemm() -> None:
                        "best": str(best), "best_TB_s": bytes_read / best_ms / 1e9}  # fmt: skip
         say(f"M=1 {name}: default {default} {bytes_read / default_ms / 1e9:.2f} TB/s; "
             f"best {best} {bytes_read / best_ms / 1e9:.2f} TB/s")  # fmt: skip
-    results["fp8gemm"] = {"shapes": out, "worst_rel_err": worst, "m1_sweep": sweep}
+    # many rows (SMC verify of 48 rows x 17 tokens = 816, prefill chunks): the Triton kernel vs dequantize + cuBLAS,
+    # to place the switch (hsmc.ops.fp8_linear.TRITON_MAX_ROWS)
+    from hsmc.ops.fp8_gemm import fp8_gemm
+
+    name = "32b.gate_up" if not TINY else "tiny.square"
+    n, k = matrices[name]
+    w, s = quantize_fp8(torch.randn(n, k, device=DEVICE, generator=g, dtype=dtype) * 0.02, QWEN_BLOCK)
+    crossover = {}
+    for m in (144, 256, 512, 816, 2048) if not TINY else (300,):
+        x = torch.randn(m, k, device=DEVICE, generator=g, dtype=dtype)
+        triton_ms = bench_ms(lambda x=x: fp8_gemm(x, w, s, QWEN_BLOCK))
+        dequant_ms = bench_ms(lambda x=x: torch.nn.functional.linear(x, dequantize_fp8(w, s, QWEN_BLOCK, x.dtype)))
+        crossover[m] = {"triton_ms": triton_ms, "dequant_cublas_ms": dequant_ms}
+    say(f"{name} by rows, Triton kernel vs dequantize + cuBLAS: " + ", ".join(
+        f"M={m} {c['triton_ms']:.3f}/{c['dequant_cublas_ms']:.3f} ms" for m, c in crossover.items()))  # fmt: skip
+    results["fp8gemm"] = {"shapes": out, "worst_rel_err": worst, "m1_sweep": sweep, "crossover": crossover}
 
 
 def check_fp8_decode() -> None:
