@@ -73,3 +73,13 @@ def test_random_fp8_model_has_the_qwen_fp8_layout_and_its_bytes():
     scales = sum(m.weight_scale_inv.numel() for m in linears)
     assert weight_bytes(dense) - weight_bytes(fp8) == layer_params - 4 * scales  # 2 -> 1 byte, plus fp32 scales
     assert linears[0].dequantized(torch.float32).std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_fp8_table_rows_carry_their_speed_up_over_bf16():
+    from hsmc.bench import BenchRow, format_table
+
+    fp8 = BenchRow("qwen3-32b fp8", 1, 256, 90.0, 80.0, None, 100.0, [], vs_bf16=90.0 / 50.0)
+    bf16 = BenchRow("qwen3-32b bfloat16", 1, 256, 50.0, 45.0, 40.0, 55.0, [])
+    lines = format_table([fp8, bf16], "GPU", 3.3e12).splitlines()
+    assert lines[2].split()[-1] == "1.80x" and "90.0%" in lines[2]  # 90 of a 100 tok/s FP8 roofline
+    assert lines[3].split()[-1] == "-" and "1.25x" in lines[3]  # bf16 row: its transformers ratio, no fp8 ratio
