@@ -2,12 +2,16 @@
 
     hsmc bench --shape qwen3-8b --batch 1,4,16 --new-tokens 256      # random weights of a real shape
     hsmc bench --config configs/bench/smc_8b_32b.yaml --batch 1,4,16  # a config's stack as configured
+    hsmc bench --shape qwen3-32b --dtype fp8 --batch 1                # FP8 weights, and bf16 in the same run
 
 For a shape, each row of the table is one batch size: the same random token-id prompts go through hsmc
 and through transformers' eager `generate` on the *same* weights (its modules alias hsmc's tensors, so
 the pair fits where one model fits). Decode speed is measured as the difference between a run of N new
 tokens and a run of 1 (prefill and first token cancel out); the roofline is batch x copy bandwidth /
-weight bytes, since a decode step must read every weight once.
+weight bytes, since a decode step must read every weight once. With `--dtype fp8` every shape runs twice,
+with block-scaled FP8 weights (the roofline counts their bytes, scales included) and then with bf16
+weights, and the FP8 rows carry their speed-up over bf16 (transformers runs beside the bf16 rows only: it
+has no twin on hsmc's FP8 tensors).
 
 For a config (levels may name `random:SHAPE` models), each row is one number of requests decoded
 together: tok/s per request and over all of them, the top level's step (SMC cycle) time against its
@@ -31,9 +35,10 @@ import torch
 
 from hsmc.config import HsmcConfig, load_config
 from hsmc.cost_model import LevelCost, predict, roofline, with_accepted_length
+from hsmc.engine.scheduler import rows_and_lookahead
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
-from hsmc.models.loading import DTYPES, LoadedModel
+from hsmc.models.loading import COMPUTE_DTYPES, LoadedModel
 from hsmc.models.shapes import SHAPES, hf_config, random_model, weight_bytes
 
 
@@ -47,6 +52,7 @@ class BenchRow:
     baseline_tok_s: float | None  # transformers eager generate, decode only
     roofline_tok_s: float
     levels: list[dict[str, Any]]
+    vs_bf16: float | None = None  # an fp8 row: its tok/s over the bf16 row of the same shape and batch
 
     @property
     def of_roofline(self) -> float:
@@ -173,16 +179,19 @@ def bench_decoder(
     return rows
 
 
-def shape_case(shape: str, dtype: str, device: torch.device, engine: dict[str, Any]) -> tuple[Any, DecoderLM, Any]:
-    """A one-level decoder over random weights of a named shape, and its transformers twin."""
+def shape_case(
+    shape: str, dtype: str, device: torch.device, engine: dict[str, Any]
+) -> tuple[Any, DecoderLM, Any | None]:
+    """A one-level decoder over random weights of a named shape, and its transformers twin (None for fp8)."""
     from hsmc.decoder import HierarchicalDecoder
 
     hf_cfg = hf_config(shape)
     cfg = DecoderConfig.from_hf(hf_cfg, source=shape)
-    model = random_model(cfg, DTYPES[dtype], device)
+    fp8 = dtype == "fp8"
+    model = random_model(cfg, COMPUTE_DTYPES[dtype], device, fp8=fp8)
     config = load_config({"levels": [{"model": shape, "dtype": dtype}], "engine": {"device": str(device), **engine}})
     decoder = HierarchicalDecoder(config, models={shape: LoadedModel(model, None, shape)})
-    return decoder, model, hf_twin(model, hf_cfg)
+    return decoder, model, None if fp8 else hf_twin(model, hf_cfg)
 
 
 def level_modules(decoder: Any) -> list[torch.nn.Module]:
@@ -302,15 +311,16 @@ def format_stack_table(rows: list[StackRow]) -> str:
 def format_table(rows: list[BenchRow], device_name: str, bandwidth: float) -> str:
     lines = [
         f"device: {device_name}; measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)",
-        f"{'case':<14}{'batch':>6}{'roofline':>10}{'hsmc':>9}{'of roof':>9}{'transformers':>14}{'hsmc/tf':>9}"
-        f"{'hsmc e2e':>10}",
+        f"{'case':<20}{'batch':>6}{'roofline':>10}{'hsmc':>9}{'of roof':>9}{'transformers':>14}{'hsmc/tf':>9}"
+        f"{'hsmc e2e':>10}{'vs bf16':>9}",
     ]
     for r in rows:
         base = f"{r.baseline_tok_s:>14.1f}" if r.baseline_tok_s else f"{'-':>14}"
         ratio = f"{r.vs_baseline:>8.2f}x" if r.vs_baseline else f"{'-':>9}"
+        vs_bf16 = f"{r.vs_bf16:>8.2f}x" if r.vs_bf16 else f"{'-':>9}"
         lines.append(
-            f"{r.name:<14}{r.batch:>6}{r.roofline_tok_s:>10.1f}{r.hsmc_tok_s:>9.1f}{r.of_roofline:>8.1%}"
-            f"{base}{ratio}{r.hsmc_e2e_tok_s:>10.1f}"
+            f"{r.name:<20}{r.batch:>6}{r.roofline_tok_s:>10.1f}{r.hsmc_tok_s:>9.1f}{r.of_roofline:>8.1%}"
+            f"{base}{ratio}{r.hsmc_e2e_tok_s:>10.1f}{vs_bf16}"
         )
     lines.append("tok/s summed over the batch; decode only (N-token run minus 1-token run) except 'hsmc e2e'")
     return "\n".join(lines)
@@ -343,17 +353,14 @@ def plot(rows: list[BenchRow | StackRow], path: Path) -> None:
 
 def config_for_bench(config: HsmcConfig, batches: list[int], prompt_tokens: int, new_tokens: int) -> HsmcConfig:
     """`config` with engine rows and KV slots for the largest number of requests (kept where it has more)."""
-    from hsmc.preflight import rows_and_lookahead
-
     rows_per_prompt, lookahead = rows_and_lookahead(config)
     b = max(batches)
     engine = config.engine
+    capacity = engine.resolved_kv_capacity
+    if capacity != "auto":  # an auto pool takes the free memory anyway
+        capacity = max(capacity, b * (prompt_tokens + rows_per_prompt * (new_tokens + lookahead)) + 64)
     engine = dataclasses.replace(
-        engine,
-        max_batch_rows=max(engine.max_batch_rows, b * rows_per_prompt),
-        kv_capacity_tokens=max(
-            engine.kv_capacity_tokens, b * (prompt_tokens + rows_per_prompt * (new_tokens + lookahead)) + 64
-        ),
+        engine, max_batch_rows=max(engine.max_batch_rows, b * rows_per_prompt), kv_capacity_tokens=capacity
     )
     return dataclasses.replace(config, engine=engine)
 
@@ -377,13 +384,20 @@ def run_bench(
     for shape in shapes:
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-        decoder, model, hf = shape_case(shape, dtype, device, engine)
-        rows += bench_decoder(
-            shape, decoder, model, hf if baseline else None, batches, prompt_tokens, new_tokens, bandwidth
-        )
-        del decoder, model, hf
-        gc.collect()  # runners and their CUDA graphs reference each other: free them before the next shape
-        torch.cuda.empty_cache()
+        by_dtype: dict[str, list[BenchRow]] = {}
+        for case_dtype in ("fp8", "bfloat16") if dtype == "fp8" else (dtype,):
+            decoder, model, hf = shape_case(shape, case_dtype, device, engine)
+            case = f"{shape} {case_dtype}" if dtype == "fp8" else shape
+            by_dtype[case_dtype] = bench_decoder(
+                case, decoder, model, hf if baseline else None, batches, prompt_tokens, new_tokens, bandwidth
+            )
+            del decoder, model, hf
+            gc.collect()  # runners and their CUDA graphs reference each other: free them before the next case
+            torch.cuda.empty_cache()
+        if dtype == "fp8":
+            for fp8_row, bf16_row in zip(by_dtype["fp8"], by_dtype["bfloat16"]):
+                fp8_row.vs_bf16 = fp8_row.hsmc_tok_s / bf16_row.hsmc_tok_s
+        rows += [r for case in by_dtype.values() for r in case]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tables = [format_table(rows, device_name, bandwidth)] if rows else []
     stack_rows: list[StackRow] = []

@@ -66,7 +66,9 @@ def _add_bench(sub: Any) -> None:
     cmd.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
     cmd.add_argument("--prompt-tokens", type=int, default=128)
     cmd.add_argument("--new-tokens", type=int, default=256)
-    cmd.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    cmd.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"], help="fp8: also runs bf16 to compare"
+    )
     cmd.add_argument("--no-baseline", action="store_true", help="skip transformers' eager generate")
     cmd.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     cmd.add_argument("--plot", help="write a tok/s-vs-batch chart (PNG) here")

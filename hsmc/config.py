@@ -20,7 +20,7 @@ from hsmc.errors import ConfigError
 
 T = TypeVar("T")
 LEVEL_KINDS = ("model", "eagle3", "rejection", "smc")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "fp8")  # fp8: block-scaled FP8 weights, bf16 activations
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
@@ -53,13 +53,22 @@ class GenerationConfig:
 class EngineConfig:
     device: str = "cpu"
     max_batch_rows: int = 16
-    kv_capacity_tokens: int = 4096
+    # KV slots per model: a number, or "auto" (sized from the memory free after the weights, see
+    # hsmc/engine/kv_sizing.py); default: auto on cuda, 4096 elsewhere
+    kv_capacity_tokens: int | str | None = None
     attention: str | None = None  # kernel backend: torch | triton; default triton on cuda, torch elsewhere
     cuda_graphs: bool | None = None  # replay captured CUDA graphs for decode/verify forwards; default: on cuda
 
     @property
     def resolved_attention(self) -> str:
         return self.attention or ("triton" if self.device.startswith("cuda") else "torch")
+
+    @property
+    def resolved_kv_capacity(self) -> int | str:
+        """A number of slots, or "auto"."""
+        if self.kv_capacity_tokens is None:
+            return "auto" if self.device.startswith("cuda") else 4096
+        return self.kv_capacity_tokens
 
     @property
     def resolved_cuda_graphs(self) -> bool:
@@ -192,6 +201,8 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
             yield f"{key}.kind", f"={level.kind!r} is not one of {', '.join(LEVEL_KINDS)}"
         if level.dtype not in DTYPE_NAMES:
             yield f"{key}.dtype", f"={level.dtype!r} is not one of {', '.join(DTYPE_NAMES)}"
+        if level.kind == "eagle3" and level.dtype == "fp8":
+            yield f"{key}.dtype", "='fp8' is for decoder models; an EAGLE3 head loads as float32, bfloat16 or float16"
         if level.temperature < 0:
             yield f"{key}.temperature", f" must be >= 0, got {level.temperature}"
         if level.num_layers is not None and level.num_layers <= 0:
@@ -206,10 +217,13 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
         yield "engine.attention", f"={engine.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
     if engine.resolved_cuda_graphs and not engine.device.startswith("cuda"):
         yield "engine.cuda_graphs", f"=true needs engine.device=cuda, not {engine.device!r}"
+    capacity = engine.resolved_kv_capacity
+    if isinstance(capacity, str) and capacity != "auto":
+        yield "engine.kv_capacity_tokens", f"={capacity!r} is neither a number of slots nor 'auto'"
     for key, value in (
         ("generation.max_new_tokens", cfg.generation.max_new_tokens),
         ("engine.max_batch_rows", cfg.engine.max_batch_rows),
-        ("engine.kv_capacity_tokens", cfg.engine.kv_capacity_tokens),
+        ("engine.kv_capacity_tokens", capacity if isinstance(capacity, int) else 1),
     ):
         if value <= 0:
             yield key, f" must be positive, got {value}"

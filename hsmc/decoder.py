@@ -146,7 +146,7 @@ class HierarchicalDecoder:
             [len(i) for i in ids],
             gen.max_new_tokens,
             engine.max_batch_rows,
-            engine.kv_capacity_tokens,
+            self.stack.capacity,
             self.stack.rows_per_prompt,
             self.stack.lookahead,
         )

@@ -3,20 +3,28 @@ then fails in a second instead of after minutes of loading (a 32B model takes mi
 
 Each level's `config.json` is read (for a hub id, without downloading its weights), the headers of
 local weight files are read (a truncated file fails here, named), the prompts are tokenized with
-the tokenizer the stack will use, and the admission waves are planned from the config's sizes.
+the tokenizer the stack will use, and the admission waves are planned from the config's sizes (with
+`engine.kv_capacity_tokens: auto`, from the memory free now less the weights the configs describe).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hsmc.config import GenerationConfig, HsmcConfig, LevelConfig, level_label
-from hsmc.engine.scheduler import lookahead_tokens, plan_waves
+from hsmc.engine.kv_sizing import GIB, auto_capacity, block_table_bytes_per_token, free_memory, kv_bytes_per_token
+from hsmc.engine.scheduler import minimum_kv_tokens, plan_waves, rows_and_lookahead
 from hsmc.errors import ConfigError, ModelLoadError, PromptError
 from hsmc.models.config import DecoderConfig
+from hsmc.models.decoder import DecoderLM
 from hsmc.models.loading import (
+    COMPUTE_DTYPES,
+    DTYPES,
     check_safetensors_header,
     is_hub_id,
     read_decoder_config,
@@ -24,8 +32,10 @@ from hsmc.models.loading import (
     resolve_folder,
     safetensors_files,
 )
-from hsmc.models.shapes import random_shape
+from hsmc.models.shapes import random_shape, weight_bytes
 from hsmc.models.tokenizer import encode_prompt, load_tokenizer
+from hsmc.models.weight_loader import fp8_format
+from hsmc.ops.fp8_linear import QWEN_BLOCK, layer_linears, swap_for_fp8
 from hsmc.prompts import Prompt
 
 
@@ -47,19 +57,49 @@ def check_before_loading(cfg: HsmcConfig, prompts: Sequence[Prompt]) -> list[lis
         [len(p) for p in ids],
         cfg.generation.max_new_tokens,
         engine.max_batch_rows,
-        engine.kv_capacity_tokens,
+        estimated_kv_capacity(cfg),
         rows,
         lookahead,
     )
     return ids
 
 
-def rows_and_lookahead(cfg: HsmcConfig) -> tuple[int, int]:
-    """KV rows per prompt and tokens a row may hold past its output, from the config alone (the
-    built stack reports the same through `Stack.rows_per_prompt` and `Stack.lookahead`)."""
-    top = cfg.levels[-1]
-    rows = top.particles if top.kind == "smc" else 1
-    return rows, lookahead_tokens(cfg.levels)
+def estimated_kv_capacity(cfg: HsmcConfig) -> int:
+    """engine.kv_capacity_tokens, or for "auto" the slots left beside the weights as the configs size them
+    (models built on the meta device: shapes and dtypes, no data), from the memory free now."""
+    capacity = cfg.engine.resolved_kv_capacity
+    if isinstance(capacity, int):
+        return capacity
+    weights: dict[tuple[str, str, int | None], int] = {}  # levels naming the same model share its weights
+    per_token = []
+    table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
+    for level in cfg.levels:
+        module = _meta_module(level)
+        weights[(level.model, level.dtype, level.num_layers)] = weight_bytes(module)
+        per_token.append(kv_bytes_per_token(module.config, COMPUTE_DTYPES[level.dtype]) + table)
+    total = sum(weights.values())
+    free = free_memory(torch.device(cfg.engine.device)) - total
+    what = f"estimated free after {total / GIB:.1f} GiB of weights"
+    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what)
+
+
+def _meta_module(level: LevelConfig) -> torch.nn.Module:
+    """The level's model (or EAGLE3 head) on the meta device, with FP8 Linears where it will have them."""
+    if level.kind == "eagle3":
+        from hsmc.eagle.checkpoint import head_from_config, read_head_config
+
+        return head_from_config(read_head_config(resolve_folder(level.model, weights=False))).to(DTYPES[level.dtype])
+    config = _decoder_config(level.model)
+    if level.num_layers is not None:
+        config = dataclasses.replace(config, num_layers=level.num_layers)
+    with torch.device("meta"):
+        model = DecoderLM(config).to(COMPUTE_DTYPES[level.dtype])
+    fmt = None if level.model.endswith(".gguf") else fp8_format(resolve_folder(level.model, weights=False))
+    block = fmt.block if fmt is not None else (QWEN_BLOCK if level.dtype == "fp8" else None)
+    if block is not None:
+        for name in layer_linears(model):
+            swap_for_fp8(model, name, block, level.model)
+    return model
 
 
 def prompt_token_ids(tokenizer: Any | None, prompts: Sequence[Prompt], chat_template: bool) -> list[list[int]]:

@@ -24,6 +24,17 @@ smcbench `hsmc bench --config` of configs/bench/{smc,hierarchical,selfdraft}_8b_
          requests (random bf16 weights, 64-token prompts, 64 new tokens): tok/s per request and in all,
          cycle vs weight-read bound, per-level times, cost model (also at accepted length 3.5). The target is
          the 32B shape where the GPU holds it (≥ 120 GB: H200), else the 14B shape (H100), as printed.
+fp8gemm  the Triton weight-only FP8 GEMM vs the dequantized fp32 reference over the 32B/8B Linears at
+         M = 1..512 rows (> 256: dequantize + cuBLAS), timed against bf16 cuBLAS on the same weights, and a
+         sweep of launch settings at M = 1.
+fp8decode batch-1 decode of the qwen3-8b and qwen3-32b shapes with FP8 weights, % of the FP8 roofline
+         (weight bytes incl. scales / copy bandwidth), and bf16 in the same run (`hsmc bench --dtype fp8`).
+fp8logits qwen3-8b shape: the FP8 model vs the bf16 model on its dequantized weights, max/mean logit diff.
+fp8stack the headline stack's shapes (FP8 32B + FP8 8B + an EAGLE3 head of the real shape), KV auto-sized,
+         a few SMC cycles; torch.cuda.max_memory_allocated (an H100's 80 GB emulated on a larger GPU).
+fp8rss   a random 32B-shape FP8 checkpoint (~34 GB, 4 GB shards) written to a temp folder and streamed onto
+         the GPU in a fresh process: peak CPU RSS growth vs the largest shard.
+`--device cpu --tiny` runs the fp8 sections at small shapes on the CPU (a dry run; the suite does it).
 Results are printed and written to DIR (results.json, summary.txt).
 """
 
@@ -32,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import tempfile
@@ -534,14 +546,373 @@ def check_profile() -> None:
     results["replay_ms"] = replay * 10
 
 
+# -- FP8 weights, the streaming loader and auto-sized KV (issue 12) ---------------------------------------
+# Each section runs on the GPU at the real shapes; `--device cpu --tiny` runs the same code on small shapes
+# (Triton through its interpreter) so the suite can check the sections themselves.
+
+DEVICE = torch.device("cuda")
+TINY = False
+H100_BYTES = 79 * 2**30  # what an H100 80 GB leaves free to a process (fp8stack emulates it on larger GPUs)
+TINY_SHAPE = dict(hidden_size=256, intermediate_size=384, num_hidden_layers=6, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=128, vocab_size=1024)  # fmt: skip
+
+
+def shape_config(shape: str):
+    """The transformers config of a named shape (`--tiny`: the same family at sizes the CPU runs quickly)."""
+    from transformers import AutoConfig
+
+    from hsmc.models.shapes import SHAPES
+
+    return AutoConfig.for_model(**{**SHAPES[shape], **(TINY_SHAPE if TINY else {})})
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_ms(fn, reps: int = 20) -> float:
+    """Median wall time of fn in ms (triton's do_bench on the GPU)."""
+    if DEVICE.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3 if TINY else reps):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, plan=None) -> torch.Tensor:
+    """The FP8 Linear's matmul as a model runs it on the GPU (Triton up to 256 rows, else dequantize + cuBLAS),
+    forced through the Triton kernel for <= 256 rows on the CPU too (interpreted)."""
+    from hsmc.ops.fp8_gemm import fp8_gemm
+    from hsmc.ops.fp8_linear import QWEN_BLOCK, TRITON_MAX_ROWS, dequantize_fp8
+
+    if x.shape[0] <= TRITON_MAX_ROWS:
+        return fp8_gemm(x, w, s, QWEN_BLOCK, plan)
+    return torch.nn.functional.linear(x, dequantize_fp8(w, s, QWEN_BLOCK, x.dtype))
+
+
+def check_fp8_gemm() -> None:
+    say("== fp8gemm: Triton weight-only FP8 GEMM vs the dequantized reference; time vs bf16 cuBLAS ==")
+    from hsmc.ops.fp8_gemm import Fp8GemmPlan, plan_fp8_gemm
+    from hsmc.ops.fp8_linear import QWEN_BLOCK, dequantize_fp8, quantize_fp8
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the interpreter has no bf16 dot
+    matrices = {  # (N, K) of each Linear
+        "32b.qkv": (10240, 5120), "32b.o": (5120, 8192), "32b.gate_up": (51200, 5120), "32b.down": (5120, 25600),
+        "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (24576, 4096), "8b.down": (4096, 12288),
+    }  # fmt: skip
+    rows = (1, 2, 4, 8, 16, 32, 64, 144, 256, 512)
+    if TINY:
+        matrices, rows = {"tiny.ragged": (200, 328), "tiny.square": (256, 256)}, (1, 5, 300)
+    out, worst = {}, 0.0
+    g = torch.Generator(DEVICE).manual_seed(0)
+    for name, (n, k) in matrices.items():
+        dense = torch.randn(n, k, device=DEVICE, generator=g, dtype=dtype) * 0.02
+        w, s = quantize_fp8(dense, QWEN_BLOCK)
+        ref_w = dequantize_fp8(w, s, QWEN_BLOCK, torch.float32)
+        bf16_w = ref_w.to(dtype)  # the same weights, dense: cuBLAS's time for the same product
+        for m in rows:
+            x = torch.randn(m, k, device=DEVICE, generator=g, dtype=dtype)
+            ref = x.float() @ ref_w.T
+            err = ((fp8_matmul(x, w, s).float() - ref).abs().max() / ref.abs().max()).item()
+            worst = max(worst, err)
+            ms = bench_ms(lambda x=x: fp8_matmul(x, w, s))
+            dense_ms = bench_ms(lambda x=x: torch.nn.functional.linear(x, bf16_w))
+            tb_s = (w.numel() + s.numel() * 4) / ms / 1e9
+            out[f"{name} M={m}"] = {"rel_err": err, "ms": ms, "bf16_ms": dense_ms, "fp8_TB_s": tb_s}
+        say(f"{name} [{n}x{k}]: " + ", ".join(
+            f"M={m} {out[f'{name} M={m}']['ms'] * 1e3:.0f}us ({out[f'{name} M={m}']['fp8_TB_s']:.2f} TB/s, "
+            f"{out[f'{name} M={m}']['bf16_ms'] / out[f'{name} M={m}']['ms']:.2f}x bf16)" for m in rows))  # fmt: skip
+    say(f"fp8gemm: worst max|out - ref| / max|ref| over all shapes and rows: {worst:.2e} "
+        f"({'ok' if worst < 1e-2 else 'TOO LARGE'}: fp32 accumulation, bf16 inputs)")  # fmt: skip
+    # launch settings around the default plan, at M = 1 (decode): what the planner should pick
+    sweep = {}
+    for name in ("32b.gate_up", "32b.qkv") if not TINY else ("tiny.square",):
+        n, k = matrices[name]
+        w, s = quantize_fp8(torch.randn(n, k, device=DEVICE, generator=g, dtype=dtype) * 0.02, QWEN_BLOCK)
+        x = torch.randn(1, k, device=DEVICE, generator=g, dtype=dtype)
+        default = plan_fp8_gemm(1, n, k, QWEN_BLOCK[1], DEVICE)
+        plans = [default] + [
+            Fp8GemmPlan(16, bn, 128, split, warps, stages)
+            for bn in (32, 64, 128) for split in (1, 2, 4, 8) for warps in (4, 8) for stages in (3, 5)
+        ][: 2 if TINY else None]  # fmt: skip
+        timed_plans = sorted((bench_ms(lambda p=p: fp8_matmul(x, w, s, p)), p) for p in plans)
+        bytes_read = w.numel() + s.numel() * 4
+        best_ms, best = timed_plans[0]
+        default_ms = next(t for t, p in timed_plans if p == default)
+        sweep[name] = {"default": str(default), "default_TB_s": bytes_read / default_ms / 1e9,
+                       "best": str(best), "best_TB_s": bytes_read / best_ms / 1e9}  # fmt: skip
+        say(f"M=1 {name}: default {default} {bytes_read / default_ms / 1e9:.2f} TB/s; "
+            f"best {best} {bytes_read / best_ms / 1e9:.2f} TB/s")  # fmt: skip
+    # many rows (SMC verify of 48 rows x 17 tokens = 816, prefill chunks): the Triton kernel vs dequantize + cuBLAS,
+    # to place the switch (hsmc.ops.fp8_linear.TRITON_MAX_ROWS)
+    from hsmc.ops.fp8_gemm import fp8_gemm
+
+    name = "32b.gate_up" if not TINY else "tiny.square"
+    n, k = matrices[name]
+    w, s = quantize_fp8(torch.randn(n, k, device=DEVICE, generator=g, dtype=dtype) * 0.02, QWEN_BLOCK)
+    crossover = {}
+    for m in (144, 256, 512, 816, 2048) if not TINY else (300,):
+        x = torch.randn(m, k, device=DEVICE, generator=g, dtype=dtype)
+        triton_ms = bench_ms(lambda x=x: fp8_gemm(x, w, s, QWEN_BLOCK))
+        dequant_ms = bench_ms(lambda x=x: torch.nn.functional.linear(x, dequantize_fp8(w, s, QWEN_BLOCK, x.dtype)))
+        crossover[m] = {"triton_ms": triton_ms, "dequant_cublas_ms": dequant_ms}
+    say(f"{name} by rows, Triton kernel vs dequantize + cuBLAS: " + ", ".join(
+        f"M={m} {c['triton_ms']:.3f}/{c['dequant_cublas_ms']:.3f} ms" for m, c in crossover.items()))  # fmt: skip
+    results["fp8gemm"] = {"shapes": out, "worst_rel_err": worst, "m1_sweep": sweep, "crossover": crossover}
+
+
+def check_fp8_decode() -> None:
+    say("== fp8decode: batch-1 decode, FP8 vs bf16 weights in the same run (qwen3-8b, qwen3-32b shapes) ==")
+    if DEVICE.type != "cuda":
+        say("fp8decode: needs CUDA (hsmc bench measures GPU decode): skipped")
+        return
+    engine = {"max_batch_rows": 1, "kv_capacity_tokens": 1024}
+    rows, table = run_bench(["qwen3-8b", "qwen3-32b"], None, [1], 128, 256, "fp8", False, engine)
+    say(table)
+    for r in rows:
+        if r.vs_bf16:
+            say(f"{r.name}: {r.hsmc_tok_s:.1f} tok/s = {r.of_roofline:.1%} of the FP8 roofline "
+                f"({r.roofline_tok_s:.1f} tok/s, weights incl. scales), {r.vs_bf16:.2f}x bf16")  # fmt: skip
+    results["fp8decode"] = [r.__dict__ | {"of_roofline": r.of_roofline} for r in rows]
+
+
+def dense_twin(fp8_model, dtype: torch.dtype):
+    """The same model with every FP8 Linear replaced by a dense Linear holding its dequantized weight."""
+    from torch import nn
+
+    from hsmc.ops.fp8_linear import Fp8Linear
+
+    for name, module in list(fp8_model.named_modules()):
+        if isinstance(module, Fp8Linear):
+            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            dense.weight = nn.Parameter(module.dequantized(dtype), requires_grad=False)
+            dense.bias = module.bias
+            owner, _, child = name.rpartition(".")
+            fp8_model.get_submodule(owner).add_module(child, dense)
+    return fp8_model
+
+
+def check_fp8_logits() -> None:
+    say("== fp8logits: qwen3-8b shape, FP8 model vs the bf16 model on its dequantized weights ==")
+    dtype = torch.bfloat16
+    cfg = DecoderConfig.from_hf(shape_config("qwen3-8b"))
+    backend = TritonBackend() if DEVICE.type == "cuda" else TorchBackend()
+    logits = {}
+    for kind in ("fp8", "bf16"):
+        model = random_model(cfg, dtype, DEVICE, seed=5, fp8=True)
+        if kind == "bf16":
+            model = dense_twin(model, dtype)
+        tables = BlockTables(SlotAllocator(4096, DEVICE), 4, 1024)
+        runner = ModelRunner(model, tables, backend, cfg.num_layers, cuda_graphs=DEVICE.type == "cuda")
+        rows = torch.arange(4, device=DEVICE)
+        prompt = torch.randint(0, cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        with torch.inference_mode():
+            first, _ = runner.forward(runner.new_tokens(rows, prompt, torch.full((4,), 64, device=DEVICE), 64), True)
+            steps, tokens = [first[:, -1].float()], first[:, -1].argmax(-1)
+            for i in range(16):  # greedy decode: both models fed the FP8 model's tokens (same contexts)
+                feed = tokens if kind == "fp8" else logits["fp8_tokens"][i]
+                out, _ = runner.forward(runner.new_tokens(rows, feed[:, None], torch.ones(4, dtype=torch.int64,
+                                        device=DEVICE), 65 + i), True)  # fmt: skip
+                steps.append(out[:, -1].float())
+                tokens = out[:, -1].argmax(-1)
+                if kind == "fp8":
+                    logits.setdefault("fp8_tokens", []).append(feed)
+        logits[kind] = torch.stack(steps)
+        del runner, model
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    diff = (logits["fp8"] - logits["bf16"]).abs()
+    scale = logits["bf16"].std().item()
+    agree = (logits["fp8"].argmax(-1) == logits["bf16"].argmax(-1)).float().mean().item()
+    say(f"fp8logits: max|diff| {diff.max().item():.3e}, mean|diff| {diff.mean().item():.3e} (logit std "
+        f"{scale:.3e}: {diff.max().item() / scale:.2%} of it); argmax agreement {agree:.1%} "
+        "over 17 positions x 4 rows")  # fmt: skip
+    results["fp8logits"] = {"max_diff": diff.max().item(), "mean_diff": diff.mean().item(), "logit_std": scale,
+                            "argmax_agreement": agree}  # fmt: skip
+
+
+def check_fp8_stack() -> None:
+    say("== fp8stack: the headline stack's shapes (FP8 32B + FP8 8B + EAGLE3 head), KV auto, a few SMC cycles ==")
+    import hsmc.levels.stack
+
+    real_free = hsmc.levels.stack.free_memory
+    total = torch.cuda.get_device_properties(DEVICE).total_memory if DEVICE.type == "cuda" else 0
+    emulated = ""
+    if total > H100_BYTES + 2**30:  # a larger GPU: hold the run to an H100's 80 GB
+        torch.cuda.set_per_process_memory_fraction(H100_BYTES / total)
+        hsmc.levels.stack.free_memory = lambda device: min(
+            real_free(device), H100_BYTES - torch.cuda.memory_reserved(device)
+        )
+        emulated = f" (an H100's {H100_BYTES / 2**30:.0f} GiB emulated on this {total / 2**30:.0f} GiB GPU)"
+    try:
+        run_fp8_stack(emulated)
+    finally:
+        hsmc.levels.stack.free_memory = real_free
+        if emulated:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def run_fp8_stack(emulated: str) -> None:
+    from hsmc.models.loading import LoadedModel
+
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    big = random_model(DecoderConfig.from_hf(shape_config("qwen3-32b")), torch.bfloat16, DEVICE, seed=1, fp8=True)
+    small_cfg = shape_config("qwen3-8b")
+    small = random_model(DecoderConfig.from_hf(small_cfg), torch.bfloat16, DEVICE, seed=2, fp8=True)
+    root = Path(tempfile.mkdtemp())
+    c = small_cfg
+    sizes = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+             c.vocab_size, 32000 if not TINY else 512)  # fmt: skip
+    head, _ = published_layout(root / "head", dtype=torch.bfloat16, sizes=sizes, scale=0.02)
+    loaded = f"{time.perf_counter() - began:.0f} s"
+    weights = weight_bytes(big) + weight_bytes(small)
+    config = {
+        "levels": [
+            {"kind": "eagle3", "model": str(head), "dtype": "bfloat16", "temperature": 0.6},
+            {"kind": "rejection", "model": "8b", "dtype": "bfloat16", "temperature": 0.6, "num_draft_tokens": 4},
+            {"kind": "smc", "model": "32b", "dtype": "bfloat16", "temperature": 0.6, "particles": 6, "block_size": 16},
+        ],
+        "engine": {"device": str(DEVICE), "max_batch_rows": 12,
+                   "kv_capacity_tokens": "auto" if DEVICE.type == "cuda" else 4096},
+        "generation": {"max_new_tokens": 64 if not TINY else 20, "ignore_eos": True},
+    }  # fmt: skip
+    models = {"32b": LoadedModel(big, None, "32b"), "8b": LoadedModel(small, None, "8b")}
+    decoder = HierarchicalDecoder(load_config(config), models)
+    prompts = torch.randint(0, 1000, (2, 128 if not TINY else 8), generator=torch.Generator().manual_seed(0)).tolist()
+    decoder.generate(prompts, max_new_tokens=8)  # warm-up: kernels compiled, graphs captured
+    sync()
+    began = time.perf_counter()
+    out = decoder.generate(prompts)
+    sync()
+    seconds = time.perf_counter() - began
+    tokens = sum(len(r.token_ids) for r in out)
+    peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
+    smc = out[0].stats["levels"]
+    say(f"fp8stack{emulated}: weights {weights / 1e9:.1f} GB (built in {loaded}), KV auto: "
+        f"{decoder.stack.capacity} slots; 2 prompts x 6 particles: {tokens} tokens in {seconds:.1f} s "
+        f"(after a warm-up); torch.cuda.max_memory_allocated {peak / 2**30:.1f} GiB "
+        f"({'fits an H100 80 GB: ok' if peak < H100_BYTES else 'OVER an H100 80 GB'}); levels {smc}")  # fmt: skip
+    results["fp8stack"] = {"weights_bytes": weights, "kv_slots": decoder.stack.capacity, "tokens": tokens,
+                           "seconds": seconds, "max_memory_allocated": peak,
+                           "emulated_h100": bool(emulated)}  # fmt: skip
+
+
+RSS_MEASURE = """
+import json, sys, torch
+from hsmc.models.loading import load_model
+
+def status(field):
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+device = sys.argv[2]
+torch.zeros(1, device=device)  # the CUDA context and the imports before the measurement
+load_model(sys.argv[1], "bfloat16", device, num_layers=1)
+torch.cuda.empty_cache() if device == "cuda" else None
+with open("/proc/self/clear_refs", "w") as f:  # restart VmHWM from here
+    f.write("5")
+base = status("VmRSS")
+began = __import__("time").perf_counter()
+model = load_model(sys.argv[1], "bfloat16", device).model
+seconds = __import__("time").perf_counter() - began
+resident = sum(p.numel() * p.element_size() for p in model.parameters()) if device == "cpu" else 0
+print(json.dumps({"peak": status("VmHWM") - base, "resident_model": resident, "seconds": seconds}))
+"""
+
+
+def write_fp8_checkpoint(folder: Path, shape: str, layers: int, shard_bytes: int) -> list[int]:
+    """A random checkpoint of `shape` (its first `layers` layers) in Qwen's FP8 layout, written shard by shard;
+    returns the shard sizes."""
+    from safetensors.torch import save_file
+
+    hf = shape_config(shape)
+    hf.num_hidden_layers = min(layers, hf.num_hidden_layers)
+    model = random_model(DecoderConfig.from_hf(hf), torch.bfloat16, DEVICE, seed=3, fp8=True)
+    folder.mkdir(parents=True)
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+    (folder / "config.json").write_text(json.dumps({**hf.to_dict(), "quantization_config": quant}))
+    state = model.state_dict()
+    del model
+    names, shard, sizes, weight_map = sorted(state), {}, [], {}
+
+    def flush() -> None:
+        name = f"model-{len(sizes) + 1:05d}.safetensors"
+        save_file(shard, folder / name)
+        weight_map.update(dict.fromkeys(shard, name))
+        sizes.append((folder / name).stat().st_size)
+        shard.clear()
+
+    for key in names:
+        shard[key] = state.pop(key).contiguous().cpu()
+        if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return sizes
+
+
+def check_fp8_rss() -> None:
+    say("== fp8rss: peak CPU RSS while streaming a 32B-shape FP8 checkpoint onto the device ==")
+    import shutil
+    import subprocess
+
+    root = Path(tempfile.mkdtemp())
+    free = shutil.disk_usage(root).free
+    # all 64 layers are ~34 GB; with less disk, the first 32 (~18 GB): the shards are the same size either way
+    layers = 64 if free > 40e9 or TINY else 32 if free > 22e9 else 0
+    if not layers:
+        say(f"fp8rss: {free / 1e9:.0f} GB free on {root}, at least 22 GB needed: skipped")
+        return
+    try:
+        began = time.perf_counter()
+        sizes = write_fp8_checkpoint(root / "ckpt", "qwen3-32b", layers, 4 * 10**9 if not TINY else 10**6)
+        written = time.perf_counter() - began
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
+        run = subprocess.run([sys.executable, "-c", RSS_MEASURE, str(root / "ckpt"), DEVICE.type],
+                             capture_output=True, text=True, env=env)  # fmt: skip
+        if run.returncode:
+            raise RuntimeError(f"the loading process failed: {run.stderr.strip().splitlines()[-1:]}")
+        rss = json.loads(run.stdout.strip().splitlines()[-1])
+        transient = rss["peak"] - rss["resident_model"]
+        largest = max(sizes)
+        say(f"fp8rss: {layers} layers, {len(sizes)} shards, {sum(sizes) / 1e9:.1f} GB (largest "
+            f"{largest / 1e9:.2f} GB), written in {written:.0f} s; loaded onto {DEVICE.type} in "
+            f"{rss['seconds']:.0f} s with peak RSS growth {transient / 1e9:.2f} GB = "
+            f"{transient / largest:.2f}x the largest shard "
+            f"({'<= 1.5x: ok' if transient <= 1.5 * largest else 'OVER 1.5x'})")  # fmt: skip
+        results["fp8rss"] = {"shards": sizes, "peak_rss_growth": transient, "ratio": transient / largest,
+                             "load_seconds": rss["seconds"], "write_seconds": written}  # fmt: skip
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sections", default="kernels,tiny,smollm2,bench,verify,profile")
     parser.add_argument("--gguf", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", help="cpu: the fp8 sections only, Triton interpreted")
+    parser.add_argument("--tiny", action="store_true", help="fp8 sections at small shapes (a dry run of the script)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    global DEVICE, TINY
+    DEVICE, TINY = torch.device(args.device), args.tiny
+    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
+    say(f"device {name}, torch {torch.__version__}{' (tiny shapes)' if TINY else ''}")
     sections = args.sections.split(",")
     steps = {
         "kernels": check_kernels,
@@ -555,6 +926,11 @@ def main() -> None:
         "verify": check_verify,
         "smcsync": check_smc_sync,
         "smcbench": check_smc_bench,
+        "fp8gemm": check_fp8_gemm,
+        "fp8decode": check_fp8_decode,
+        "fp8logits": check_fp8_logits,
+        "fp8stack": check_fp8_stack,
+        "fp8rss": check_fp8_rss,
     }
     for name in sections:
         began = time.perf_counter()

@@ -55,3 +55,31 @@ def test_bench_without_a_gpu_is_one_clear_error(capsys):
     assert main(["bench", "--shape", "qwen3-8b"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hsmc: error:") and "CUDA" in err[0]
+
+
+def test_random_fp8_model_has_the_qwen_fp8_layout_and_its_bytes():
+    from transformers import AutoConfig
+
+    from hsmc.ops.fp8_linear import FP8_DTYPE, Fp8Linear
+
+    shape = dict(hidden_size=256, intermediate_size=384, num_attention_heads=2, head_dim=128, num_hidden_layers=2)
+    cfg = DecoderConfig.from_hf(AutoConfig.for_model(**{**TINY_CONFIGS["qwen2"], **shape}))  # qwen2: q/k/v biases
+    dense = random_model(cfg, torch.bfloat16, "cpu")
+    fp8 = random_model(cfg, torch.bfloat16, "cpu", fp8=True)
+    linears = [m for m in fp8.modules() if isinstance(m, Fp8Linear)]
+    assert len(linears) == 8 and all(m.weight.dtype == FP8_DTYPE for m in linears)
+    assert fp8.model.layers[0].self_attn.qkv_proj.bias.dtype == torch.bfloat16
+    layer_params = sum(m.weight.numel() for m in linears)
+    scales = sum(m.weight_scale_inv.numel() for m in linears)
+    assert weight_bytes(dense) - weight_bytes(fp8) == layer_params - 4 * scales  # 2 -> 1 byte, plus fp32 scales
+    assert linears[0].dequantized(torch.float32).std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_fp8_table_rows_carry_their_speed_up_over_bf16():
+    from hsmc.bench import BenchRow, format_table
+
+    fp8 = BenchRow("qwen3-32b fp8", 1, 256, 90.0, 80.0, None, 100.0, [], vs_bf16=90.0 / 50.0)
+    bf16 = BenchRow("qwen3-32b bfloat16", 1, 256, 50.0, 45.0, 40.0, 55.0, [])
+    lines = format_table([fp8, bf16], "GPU", 3.3e12).splitlines()
+    assert lines[2].split()[-1] == "1.80x" and "90.0%" in lines[2]  # 90 of a 100 tok/s FP8 roofline
+    assert lines[3].split()[-1] == "-" and "1.25x" in lines[3]  # bf16 row: its transformers ratio, no fp8 ratio

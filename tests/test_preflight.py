@@ -15,8 +15,9 @@ from test_eagle_checkpoint import published_layout
 from hsmc.cli import main
 from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.engine.scheduler import rows_and_lookahead
 from hsmc.errors import PromptError
-from hsmc.preflight import check_before_loading, rows_and_lookahead
+from hsmc.preflight import check_before_loading
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +28,14 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def no_weights(monkeypatch):
     """Any attempt to read weights fails the test."""
-    import safetensors.torch
-
     import hsmc.decoder
+    import hsmc.models.loading
 
     def tripwire(*args, **kwargs):
         raise AssertionError("weights were read before the checks failed")
 
     monkeypatch.setattr(hsmc.decoder, "build_stack", tripwire)
-    monkeypatch.setattr(safetensors.torch, "load_file", tripwire)
+    monkeypatch.setattr(hsmc.models.loading, "load_decoder", tripwire)
 
 
 def _run(tmp_path, levels, *argv, **sections):

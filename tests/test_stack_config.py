@@ -27,10 +27,22 @@ def test_training_config_validates():
     assert cfg.verifier == "smollm2-135m-instruct" and cfg.ttt_steps == 7
 
 
-def test_headline_config_is_the_three_level_stack():
-    cfg = load_config(CONFIGS[0].parent / "qwen3_32b.yaml")
-    assert [lc.kind for lc in cfg.levels] == ["model", "rejection", "smc"]
-    assert [lc.model for lc in cfg.levels][1:] == ["Qwen/Qwen3-8B", "Qwen/Qwen3-32B"]
+def test_headline_configs_are_the_three_level_stack_and_its_comparison_points():
+    stacks = {
+        "qwen3_32b.yaml": [("eagle3", "AngelSlim/Qwen3-8B_eagle3"), ("rejection", "Qwen/Qwen3-8B-FP8"),
+                           ("smc", "Qwen/Qwen3-32B-FP8")],
+        "qwen3_32b_bf16.yaml": [("eagle3", "AngelSlim/Qwen3-8B_eagle3"), ("rejection", "Qwen/Qwen3-8B"),
+                                ("smc", "Qwen/Qwen3-32B")],
+        "qwen3_8b_eagle3.yaml": [("eagle3", "AngelSlim/Qwen3-8B_eagle3"), ("rejection", "Qwen/Qwen3-8B-FP8")],
+        "qwen3_8b_smc.yaml": [("model", "Qwen/Qwen3-0.6B"), ("smc", "Qwen/Qwen3-8B-FP8")],
+    }  # fmt: skip
+    for name, levels in stacks.items():
+        cfg = load_config(CONFIGS[0].parent / name)
+        assert [(lc.kind, lc.model) for lc in cfg.levels] == levels, name
+        assert cfg.engine.device == "cuda" and cfg.engine.resolved_kv_capacity == "auto", name
+        assert all(lc.temperature == 0.6 for lc in cfg.levels), name
+    top = load_config(CONFIGS[0].parent / "qwen3_32b.yaml").levels[-1]
+    assert (top.particles, top.block_size) == (6, 16)
 
 
 def _levels(*levels):

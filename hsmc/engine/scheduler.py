@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hsmc.config import LevelConfig
+from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.errors import KVCapacityError
 
 
@@ -56,3 +56,17 @@ def lookahead_tokens(levels: Sequence[LevelConfig]) -> int:
     fill = top.block_size if top.kind == "smc" and len(levels) > 1 and levels[-2].kind == "rejection" else 0
     overlap = {"smc": top.block_size + 1, "rejection": top.num_draft_tokens + 1}.get(top.kind, 1)
     return rejection + fill + overlap + sum(c.block_size + 1 for c in levels if c.kind == "smc")
+
+
+def rows_and_lookahead(cfg: HsmcConfig) -> tuple[int, int]:
+    """KV rows per prompt and tokens a row may hold past its output, from the config alone (the
+    built stack reports the same through `Stack.rows_per_prompt` and `Stack.lookahead`)."""
+    top = cfg.levels[-1]
+    rows = top.particles if top.kind == "smc" else 1
+    return rows, lookahead_tokens(cfg.levels)
+
+
+def minimum_kv_tokens(cfg: HsmcConfig) -> int:
+    """Slots one prompt's rows need beyond the prompt itself: the least an auto-sized pool must hold."""
+    rows, lookahead = rows_and_lookahead(cfg)
+    return rows * (cfg.generation.max_new_tokens + lookahead)

@@ -10,8 +10,9 @@ import torch
 from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, random_eagle3_head
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+from hsmc.engine.kv_sizing import auto_capacity, block_table_bytes_per_token, free_memory, kv_bytes_per_token
 from hsmc.engine.runner import ModelRunner
-from hsmc.engine.scheduler import lookahead_tokens
+from hsmc.engine.scheduler import lookahead_tokens, minimum_kv_tokens
 from hsmc.errors import ConfigError
 from hsmc.levels.base import Level, SequenceState
 from hsmc.levels.eagle3 import Eagle3Level
@@ -30,6 +31,7 @@ class Stack:
     tokenizer: Any | None
     eos_token_ids: tuple[int, ...]
     generator: torch.Generator
+    capacity: int  # KV slots of every model's pool (engine.kv_capacity_tokens, resolved when "auto")
 
     @property
     def top(self) -> Any:
@@ -82,18 +84,24 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
     def tables() -> BlockTables:
         return BlockTables(SlotAllocator(capacity, device), rows, capacity)
 
+    def head_of(lc: LevelConfig) -> tuple[Any, Any]:
+        shape = random_shape(lc.model)
+        if shape is not None:
+            return random_eagle3_head(SHAPES[shape], lc.dtype, device)
+        return load_eagle3_head(lc.model, lc.dtype, device)
+
+    # every weight first: an auto-sized KV pool takes what is free after all of them
+    heads = {i: head_of(lc) for i, lc in enumerate(cfg.levels) if lc.kind == "eagle3"}
+    modules = [heads[i][0] if i in heads else model_of(lc).model for i, lc in enumerate(cfg.levels)]
+    rows = cfg.engine.max_batch_rows
+    capacity = _kv_capacity(cfg, modules, device)
     levels: list[Any] = []
     vocabularies: list[tuple[int, Any | None]] = []  # (vocab size, tokenizer) per level
-    rows, capacity = cfg.engine.max_batch_rows, cfg.engine.kv_capacity_tokens
     for i, lc in enumerate(cfg.levels):
         if lc.kind == "eagle3":
             above = cfg.levels[i + 1]
             verifier = model_of(above).model
-            shape = random_shape(lc.model)
-            if shape is not None:
-                head, head_config = random_eagle3_head(SHAPES[shape], lc.dtype, device)
-            else:
-                head, head_config = load_eagle3_head(lc.model, lc.dtype, device)
+            head, head_config = heads[i]
             layers = capture_layers(head_config, verifier.config.num_layers)
             runner = ModelRunner(head, tables(), backend, num_layers=1, cuda_graphs=graphs)
             embed = verifier.model.embed_tokens
@@ -128,7 +136,17 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
     _check_same_vocabulary(cfg.levels, vocabularies)
     tokenizer = next((t for _, t in reversed(vocabularies) if t is not None), None)
     top = model_of(cfg.levels[-1]).model
-    return Stack(levels, list(cfg.levels), tokenizer, top.config.eos_token_ids, generator)
+    return Stack(levels, list(cfg.levels), tokenizer, top.config.eos_token_ids, generator, capacity)
+
+
+def _kv_capacity(cfg: HsmcConfig, modules: list[Any], device: torch.device) -> int:
+    """engine.kv_capacity_tokens, or for "auto" what the memory free after the loaded weights holds."""
+    capacity = cfg.engine.resolved_kv_capacity
+    if isinstance(capacity, int):
+        return capacity
+    table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
+    per_token = [kv_bytes_per_token(m.config, next(m.parameters()).dtype) + table for m in modules]
+    return auto_capacity(free_memory(device), per_token, minimum_kv_tokens(cfg), "free after the weights")
 
 
 def _check_same_vocabulary(configs: list[LevelConfig], vocabularies: list[tuple[int, Any | None]]) -> None:

@@ -40,6 +40,10 @@ class FusedLinear(nn.Linear):
         super().__init__(in_features, sum(n for _, n in parts), bias=bias)
         self.parts = parts
 
+    def split_sizes(self, kind: str) -> list[int]:
+        """Rows of each part in the fused `kind` tensor."""
+        return [n for _, n in self.parts]
+
     def fuse_hook(self, module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
         for kind in ("weight", "bias"):
             keys = [f"{prefix}{name}.{kind}" for name, _ in self.parts]
@@ -48,15 +52,16 @@ class FusedLinear(nn.Linear):
 
 
 def _split_state_hook(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """state_dict() post-hook: every FusedLinear child is written back as its named parts."""
+    """state_dict() post-hook: every fused child (FusedLinear, or an Fp8Linear with parts) is written back as
+    its named parts."""
     for child_name, child in module.named_children():
-        if not isinstance(child, FusedLinear):
+        if not getattr(child, "parts", None):
             continue
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias", "weight_scale_inv"):
             fused = state.pop(f"{prefix}{child_name}.{kind}", None)
             if fused is None:
                 continue
-            for (name, _), piece in zip(child.parts, fused.split([n for _, n in child.parts])):
+            for (name, _), piece in zip(child.parts, fused.split(child.split_sizes(kind))):
                 state[f"{prefix}{name}.{kind}"] = piece
 
 

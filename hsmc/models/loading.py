@@ -7,9 +7,7 @@ dequantized once by transformers' GGUF loader into a cached folder (`hsmc.models
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +18,13 @@ from safetensors import SafetensorError
 from hsmc.errors import ModelLoadError
 from hsmc.models.config import DecoderConfig, check_architecture
 from hsmc.models.decoder import DecoderLM
+from hsmc.models.weight_loader import load_decoder
+from hsmc.ops.fp8_linear import QWEN_BLOCK
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a level's `dtype` -> its activation dtype; "fp8" quantizes the weights at load and computes in bf16
+COMPUTE_DTYPES = {**DTYPES, "fp8": torch.bfloat16}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-_IGNORED_KEYS = ("rotary_emb.inv_freq",)
 
 
 @dataclass
@@ -36,18 +37,19 @@ class LoadedModel:
 def load_model(
     source: str, dtype: str = "float32", device: str | torch.device = "cpu", num_layers: int | None = None
 ) -> LoadedModel:
-    """Load weights and tokenizer from `source` (see module docstring) onto `device`.
+    """Load weights and tokenizer from `source` (see module docstring) onto `device`, shard by shard
+    (`hsmc.models.weight_loader`); `dtype: fp8` quantizes the decoder layers' weights to block-scaled FP8.
 
     `num_layers` keeps only the first n decoder layers (with the final norm and LM head): a
     layer-truncated copy of a model is a real, cheaper draft for it.
     """
     from hsmc.models.tokenizer import load_tokenizer
 
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"{source}: dtype {dtype!r} is not one of {', '.join(DTYPES)}", source)
+    if dtype not in COMPUTE_DTYPES:
+        raise ModelLoadError(f"{source}: dtype {dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}", source)
     try:
         folder = resolve_folder(source)
-        model = _load_folder(folder, DTYPES[dtype], device, source, num_layers)
+        model = _load_folder(folder, dtype, device, source, num_layers)
         return LoadedModel(model=model, tokenizer=load_tokenizer(folder), source=source)
     except ModelLoadError as e:
         e.source = e.source or source  # lets the caller name the level(s) that use this model
@@ -150,18 +152,13 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def _load_folder(
-    folder: Path, dtype: torch.dtype, device: str | torch.device, source: str, num_layers: int | None
+    folder: Path, dtype: str, device: str | torch.device, source: str, num_layers: int | None
 ) -> DecoderLM:
-    from safetensors.torch import load_file
-
     cfg = read_decoder_config(folder)
-    state: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(folder):
-        try:
-            state.update(load_file(f))
-        except SafetensorError as e:
-            raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
-    return build_model(cfg, state, dtype, device, source, num_layers)
+    quantize = QWEN_BLOCK if dtype == "fp8" else None
+    return load_decoder(
+        folder, safetensors_files(folder), cfg, COMPUTE_DTYPES[dtype], device, source, num_layers, quantize
+    )
 
 
 def check_safetensors_header(path: Path) -> None:
@@ -173,44 +170,3 @@ def check_safetensors_header(path: Path) -> None:
             pass
     except SafetensorError as e:
         raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def _layer_index(key: str) -> int:
-    """Decoder layer a weight belongs to (-1 for embeddings, final norm and head)."""
-    match = re.match(r"model\.layers\.(\d+)\.", key)
-    return int(match.group(1)) if match else -1
-
-
-def build_model(
-    cfg: DecoderConfig,
-    state: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    device: str | torch.device,
-    source: str,
-    num_layers: int | None = None,
-) -> DecoderLM:
-    """Instantiate without initializing (meta device) and adopt the given tensors."""
-    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_KEYS)}
-    if num_layers is not None:
-        if not 0 < num_layers <= cfg.num_layers:
-            raise ModelLoadError(f"{source}: num_layers={num_layers} but the model has {cfg.num_layers} layers")
-        cfg = dataclasses.replace(cfg, num_layers=num_layers)
-        state = {k: v for k, v in state.items() if _layer_index(k) < num_layers}
-    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    with torch.device("meta"):
-        model = DecoderLM(cfg)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{source}: weights do not match a {cfg.model_type} model of this config; "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
-    return model.eval().requires_grad_(False)

@@ -17,7 +17,8 @@ import torch
 from hsmc.errors import ConfigError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
-from hsmc.models.loading import DTYPES, LoadedModel
+from hsmc.models.loading import COMPUTE_DTYPES, LoadedModel
+from hsmc.ops.fp8_linear import QWEN_BLOCK, layer_linears, quantize_fp8, swap_for_fp8
 
 RANDOM_PREFIX = "random:"
 
@@ -100,13 +101,15 @@ def random_shape(source: str) -> str | None:
 
 
 def random_loaded(shape: str, dtype: str, device: torch.device | str, num_layers: int | None = None) -> LoadedModel:
-    """A level's model of a named shape with random weights (no tokenizer); `num_layers` keeps the first n."""
+    """A level's model of a named shape with random weights (no tokenizer); `num_layers` keeps the first n;
+    dtype `fp8` gives the layout of Qwen's FP8 releases."""
     cfg = DecoderConfig.from_hf(hf_config(shape), source=RANDOM_PREFIX + shape)
     if num_layers is not None:
         if not 0 < num_layers <= cfg.num_layers:
             raise ConfigError(f"{RANDOM_PREFIX}{shape}: num_layers={num_layers} but the shape has {cfg.num_layers}")
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
-    return LoadedModel(random_model(cfg, DTYPES[dtype], device), None, RANDOM_PREFIX + shape)
+    model = random_model(cfg, COMPUTE_DTYPES[dtype], device, fp8=dtype == "fp8")
+    return LoadedModel(model, None, RANDOM_PREFIX + shape)
 
 
 def hf_config(shape: str) -> Any:
@@ -117,17 +120,29 @@ def hf_config(shape: str) -> Any:
 
 
 @torch.no_grad()
-def random_model(config: DecoderConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> DecoderLM:
-    """A DecoderLM of `config`'s shape with random weights drawn on `device`."""
+def random_model(
+    config: DecoderConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0, fp8: bool = False
+) -> DecoderLM:
+    """A DecoderLM of `config`'s shape with random weights drawn on `device`; `fp8` stores the decoder
+    layers' Linears as Qwen's FP8 releases do (e4m3 + a scale per 128x128 block, bf16 elsewhere), each
+    quantized from its random `dtype` weight."""
     with torch.device("meta"):
         model = DecoderLM(config).to(dtype)  # cast on meta: nothing is allocated in fp32 first
+    fp8_modules = (
+        [swap_for_fp8(model, name, QWEN_BLOCK, "random model") for name in layer_linears(model)] if fp8 else []
+    )
     model = model.to_empty(device=device)
     generator = torch.Generator(device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        else:
+        elif p.dtype == dtype:
             p.normal_(0.0, 0.02, generator=generator)
+    for module in fp8_modules:  # one module at a time: the dense weight exists only while it is quantized
+        dense = torch.empty(module.weight.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
+        weight, scale = quantize_fp8(dense, module.block)
+        module.weight.copy_(weight)
+        module.weight_scale_inv.copy_(scale)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = torch.tensor(config.inv_freq, dtype=torch.float32, device=device)

@@ -1,0 +1,65 @@
+"""`engine.kv_capacity_tokens: auto`: as many KV slots as the memory left after the weights holds.
+
+Every model of a stack keeps its own KV pool with the same number of slots (a slot id means the same
+token in every pool), so one slot costs the sum of the models' per-token KV bytes (plus each level's
+block-table column). After the weights are loaded, the free memory minus a reserve for CUDA graphs and
+activations (`RESERVE_BYTES` and `MARGIN` of what is free) divided by that sum is the capacity. The same
+arithmetic runs in preflight on estimated weight bytes (from the configs, nothing loaded), so a stack
+that cannot fit fails in a second with the numbers, not after minutes of loading.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hsmc.errors import ConfigError, KVCapacityError
+from hsmc.models.config import DecoderConfig
+
+RESERVE_BYTES = 2 * 2**30  # CUDA graph pools, logits and activations of the largest forward
+MARGIN = 0.05  # of the free memory: allocator fragmentation, cuBLAS workspaces
+GIB = 2**30
+
+
+def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """K and V of every layer for one token slot."""
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def block_table_bytes_per_token(max_rows: int) -> int:
+    """One int64 column of a level's block table (rows + the scratch row) per slot."""
+    return 8 * (max_rows + 1)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: the driver's view once the allocator's cached blocks are handed back
+    (what loading left cached is free for the pools), or the host's MemAvailable on the CPU."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"engine.device={str(device)!r} but no CUDA device is available")
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise KVCapacityError("engine.kv_capacity_tokens=auto: cannot read the free host memory (/proc/meminfo)")
+
+
+def auto_capacity(free_bytes: int, per_token_bytes: list[int], minimum_tokens: int, what: str) -> int:
+    """Slots that fit in `free_bytes` minus the reserve; KVCapacityError naming the numbers below `minimum_tokens`.
+
+    `what` says whose memory this is ("free after the weights", "estimated free after ... GiB of weights").
+    """
+    per_token = sum(per_token_bytes)
+    usable = int(free_bytes * (1 - MARGIN)) - RESERVE_BYTES
+    tokens = max(usable, 0) // per_token
+    if tokens < minimum_tokens:
+        raise KVCapacityError(
+            f"engine.kv_capacity_tokens=auto: {free_bytes / GIB:.1f} GiB {what}, less a {RESERVE_BYTES / GIB:.0f} GiB "
+            f"reserve and {MARGIN:.0%}, holds {tokens} KV slots at {per_token / 1024:.0f} KiB per slot "
+            f"({len(per_token_bytes)} models), fewer than the {minimum_tokens} one prompt needs "
+            "(rows x (max_new_tokens + lookahead)): use a smaller stack, fp8 weights, or a larger GPU"
+        )
+    return tokens

@@ -1,0 +1,158 @@
+"""Block-scaled FP8 weights: quantization, the Triton weight-only GEMM (through Triton's interpreter on the
+CPU), FP8 models against a reference on the dequantized weights, and checkpoints in Qwen's FP8 layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from helpers import make_runner, run_new_tokens
+
+pytest.importorskip("triton")
+
+from hsmc.config import load_config  # noqa: E402
+from hsmc.decoder import HierarchicalDecoder  # noqa: E402
+from hsmc.errors import ModelLoadError  # noqa: E402
+from hsmc.models.loading import LoadedModel, load_model, read_decoder_config, safetensors_files  # noqa: E402
+from hsmc.models.weight_loader import load_decoder  # noqa: E402
+from hsmc.ops.fp8_gemm import Fp8GemmPlan, fp8_gemm  # noqa: E402
+from hsmc.ops.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPTS = [[5, 17, 3, 40], [7, 7, 60]]
+
+
+def test_quantize_maps_each_block_max_to_448_and_round_trips_within_e4m3_precision():
+    torch.manual_seed(0)
+    w = torch.randn(40, 70) * torch.logspace(-3, 1, 40)[:, None]  # rows of very different scales
+    q, scale = quantize_fp8(w, (16, 32))
+    assert q.dtype == FP8_DTYPE and scale.shape == (3, 3)
+    assert q.float().abs().amax(dim=1).reshape(-1)[:32].eq(FP8_MAX).view(2, 16).any(dim=1).all()
+    back = dequantize_fp8(q, scale, (16, 32), torch.float32)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normals, plus the subnormal step near 0
+    block_max = scale.repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :70] * FP8_MAX
+    assert ((back - w).abs() <= w.abs() / 16 + block_max * 2**-9 / FP8_MAX * 2).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "m,n,k,block,split",
+    [(1, 40, 72, (16, 32), 1), (1, 64, 200, (32, 32), 3), (5, 33, 96, (16, 16), 2), (20, 48, 50, (16, 16), 1)],
+    ids=["gemv", "gemv-splitk-raggedK", "verify-splitk", "rows-raggedN"],
+)
+def test_triton_fp8_gemm_equals_dequantized_matmul(m, n, k, block, split, dtype):
+    torch.manual_seed(m + n + k)
+    w, scale = quantize_fp8(torch.randn(n, k), block)
+    x = torch.randn(m, k).to(dtype)
+    plan = Fp8GemmPlan(block_m=16, block_n=16, block_k=min(block[1], 32), split_k=split, num_stages=1)
+    out = fp8_gemm(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), block, plan).cpu()
+    ref = x.float() @ dequantize_fp8(w, scale, block, torch.float32).T
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    return make_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+def dequantized_twin(fp8_model, dense_folder):
+    """The dense fp32 model (of `dense_folder`'s shape) whose weights are exactly the FP8 model's, dequantized."""
+    ref = load_model(str(dense_folder), "float32").model
+    for name, module in fp8_model.named_modules():
+        if isinstance(module, Fp8Linear):
+            ref.get_submodule(name).weight.copy_(module.dequantized(torch.float32))
+            continue
+        for param, value in module.named_parameters(recurse=False):
+            getattr(ref.get_submodule(name), param).copy_(value)
+    return ref
+
+
+def test_fp8_model_decodes_like_its_dequantized_reference(tiny_qwen3):
+    cfg = read_decoder_config(tiny_qwen3)
+    fp8 = load_decoder(tiny_qwen3, safetensors_files(tiny_qwen3), cfg, torch.float32, "cpu", "tiny", None, (16, 16))
+    linears = [m for m in fp8.modules() if isinstance(m, Fp8Linear)]
+    assert len(linears) == 4 * cfg.num_layers and all(m.weight.dtype == FP8_DTYPE for m in linears)
+    assert not isinstance(fp8.lm_head, Fp8Linear)
+    ref = dequantized_twin(fp8, tiny_qwen3)
+    (a,), _ = run_new_tokens(make_runner(fp8), [0], [PROMPTS[0]])
+    (b,), _ = run_new_tokens(make_runner(ref), [0], [PROMPTS[0]])
+    assert torch.equal(a, b)
+    outputs = []
+    for model in (fp8, ref):
+        config = load_config({"levels": [{"model": "m"}], "generation": {"max_new_tokens": 24, "ignore_eos": True}})
+        decoder = HierarchicalDecoder(config, models={"m": LoadedModel(model, None, "m")})
+        outputs.append([r.token_ids for r in decoder.generate(PROMPTS)])
+    assert outputs[0] == outputs[1]
+
+
+QWEN_FP8_SHAPE = dict(hidden_size=192, intermediate_size=256, num_attention_heads=2, head_dim=128, num_hidden_layers=2)
+
+
+def write_qwen_fp8_checkpoint(dense_folder, folder, not_converted=()):
+    """Qwen's FP8 release layout: config.json with quantization_config, every decoder-layer Linear (but the
+    `not_converted` ones) as float8_e4m3fn `weight` + fp32 `weight_scale_inv` per 128x128 block, the rest
+    bf16, two shards."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    config = json.loads((dense_folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": list(not_converted),
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    state = {}
+    for key, value in load_file(dense_folder / "model.safetensors").items():
+        if ".layers." in key and key.endswith("proj.weight") and key.removesuffix(".weight") not in not_converted:
+            state[key], state[key + "_scale_inv"] = quantize_fp8(value, (128, 128))
+        else:
+            state[key] = value.to(torch.bfloat16)
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, names in shards.items():
+        save_file({k: state[k] for k in names}, folder / name)
+    weight_map = {k: name for name, names in shards.items() for k in names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return state
+
+
+def test_qwen_fp8_checkpoint_loads_as_its_dequantized_model(tmp_path):
+    dense = make_tiny_model("qwen3", tmp_path / "dense", **QWEN_FP8_SHAPE)
+    state = write_qwen_fp8_checkpoint(dense, tmp_path / "fp8", not_converted=("model.layers.1.mlp.down_proj",))
+    model = load_model(str(tmp_path / "fp8"), "float32").model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.weight_scale_inv.shape == (6, 2)  # q, k, v: 256 rows each; K = 192
+    assert not isinstance(model.model.layers[1].mlp.down_proj, Fp8Linear)  # left in bf16 by the checkpoint
+    saved = model.state_dict()  # fused parts come back out under the checkpoint's names, scales included
+    assert set(saved) == set(state)
+    assert all(torch.equal(saved[k].float(), state[k].float()) for k in state if k.endswith("_scale_inv"))
+    ref = dequantized_twin(model, dense)
+    (a,), _ = run_new_tokens(make_runner(model), [0], [PROMPTS[0]])
+    (b,), _ = run_new_tokens(make_runner(ref), [0], [PROMPTS[0]])
+    assert torch.equal(a, b)
+
+
+def test_fp8_errors_name_the_cause(tmp_path, tiny_qwen3):
+    with pytest.raises(
+        ModelLoadError, match="qkv_proj: q_proj has 64 output rows, not a multiple of the fp8 block 128"
+    ):
+        load_model(str(tiny_qwen3), "fp8")
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    for quant, message in [
+        ({"quant_method": "awq"}, "quant_method='awq' is not supported"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size=None: hsmc reads block-scaled"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "'static'"),
+    ]:
+        folder = tmp_path / quant["quant_method"] / str(len(quant))
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        (folder / "model.safetensors").symlink_to(tiny_qwen3 / "model.safetensors")
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(str(folder))

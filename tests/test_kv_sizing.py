@@ -1,0 +1,159 @@
+"""engine.kv_capacity_tokens: auto — KV pools sized from the memory free after the weights (mocked here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+import hsmc.levels.stack
+import hsmc.preflight
+from hsmc.config import load_config
+from hsmc.decoder import HierarchicalDecoder
+from hsmc.engine.kv_sizing import MARGIN, RESERVE_BYTES, auto_capacity
+from hsmc.errors import KVCapacityError
+from hsmc.models.shapes import weight_bytes
+from hsmc.preflight import check_before_loading
+
+GIB = 2**30
+
+
+def test_capacity_is_free_memory_less_the_reserve_over_the_summed_per_token_bytes():
+    per_token = [256 * 1024, 144 * 1024, 4 * 1024]  # Qwen3-32B bf16, Qwen3-8B bf16, an EAGLE3 head
+    free = 30 * GIB
+    assert auto_capacity(free, per_token, 1000, "free") == (int(free * (1 - MARGIN)) - RESERVE_BYTES) // (404 * 1024)
+    with pytest.raises(KVCapacityError) as e:
+        auto_capacity(3 * GIB, per_token, 10000, "free after the weights")
+    message = str(e.value)
+    assert "\n" not in message
+    for fragment in ("3.0 GiB free after the weights", "2 GiB reserve", "404 KiB per slot (3 models)", "10000"):
+        assert fragment in message, fragment
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+def config(tiny, **engine):
+    levels = [
+        {"model": str(tiny), "num_layers": 2, "temperature": 0.0},  # a truncated self-draft: a second model
+        {"kind": "rejection", "model": str(tiny), "num_draft_tokens": 3},
+    ]
+    engine = {"kv_capacity_tokens": "auto", "max_batch_rows": 4, **engine}
+    return load_config({"levels": levels, "engine": engine, "generation": {"max_new_tokens": 12}})
+
+
+def stack_weights(tiny) -> int:
+    from hsmc.models.loading import load_model
+
+    return weight_bytes(load_model(str(tiny), num_layers=2).model) + weight_bytes(load_model(str(tiny)).model)
+
+
+def test_auto_pools_hold_what_the_free_memory_holds_and_preflight_predicts_it(tiny, monkeypatch):
+    cfg = config(tiny)
+    # tiny llama: 2 KV heads x 16 dims in fp32; the draft keeps 2 layers, the target has 5; plus one
+    # int64 block-table column per level for the 4 rows and the scratch row
+    per_token = (2 + 5) * 2 * 2 * 16 * 4 + 2 * 8 * 5
+    slots = 3000
+    free_after_weights = -(-(slots * per_token + RESERVE_BYTES) // (1 - MARGIN))
+    weights = stack_weights(tiny)
+    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: free_after_weights + weights)
+    monkeypatch.setattr(hsmc.levels.stack, "free_memory", lambda device: free_after_weights)
+    assert hsmc.preflight.estimated_kv_capacity(cfg) == slots  # from the configs alone: nothing loaded
+    decoder = HierarchicalDecoder(cfg)
+    assert decoder.stack.capacity == slots
+    assert [level.state.runner.cache.num_slots for level in decoder.stack.levels] == [slots, slots]
+    explicit = HierarchicalDecoder(config(tiny, kv_capacity_tokens=slots))
+    prompts = [[5, 6, 7], [9, 10]]
+    assert [r.token_ids for r in decoder.generate(prompts)] == [r.token_ids for r in explicit.generate(prompts)]
+
+
+def test_too_little_memory_fails_before_loading_and_names_the_numbers(tiny, monkeypatch):
+    cfg = config(tiny)
+    weights = stack_weights(tiny)
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("weights were loaded before the KV check failed")
+
+    monkeypatch.setattr(hsmc.levels.stack, "load_model", tripwire)
+    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: weights + RESERVE_BYTES)
+    with pytest.raises(KVCapacityError, match=r"GiB estimated free after 0\.0 GiB of weights.*holds 0 KV slots"):
+        check_before_loading(cfg, [[5, 6, 7]])
+
+
+def test_built_stack_that_does_not_fit_names_the_numbers(tiny, monkeypatch):
+    per_token = (2 + 5) * 2 * 2 * 16 * 4 + 2 * 8 * 5
+    free = -(-(10 * per_token + RESERVE_BYTES) // (1 - MARGIN))
+    monkeypatch.setattr(hsmc.levels.stack, "free_memory", lambda device: free)
+    # one prompt needs 12 new tokens + 8 of lookahead (3 drafts + 1 bonus, and one overlapped cycle)
+    with pytest.raises(
+        KVCapacityError,
+        match=r"2\.1 GiB free after the weights.*holds 10 KV slots at 2 KiB per slot "
+        r"\(2 models\), fewer than the 20 one prompt needs",
+    ):
+        HierarchicalDecoder(config(tiny))
+
+
+def real_shape_folders(root):
+    """config.json of Qwen3-8B and -32B (bf16 and Qwen's FP8 layout) and of an EAGLE3 head for the 8B, with a
+    placeholder weight file: what preflight reads, no weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hsmc.eagle.checkpoint import new_head_config
+    from hsmc.models.shapes import hf_config
+
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+    configs = {}
+    for shape in ("qwen3-8b", "qwen3-32b"):
+        config = hf_config(shape).to_dict()
+        configs[shape], configs[f"{shape}-fp8"] = config, {**config, "quantization_config": fp8}
+    configs["head"] = new_head_config(configs["qwen3-8b"], 32000)
+    for name, config in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        save_file({"placeholder": torch.zeros(1)}, root / name / "model.safetensors")
+    return {name: str(root / name) for name in configs}
+
+
+@pytest.mark.parametrize(
+    "variant,free_gib,fits",
+    [("-fp8", 79.0, True), ("", 139.0, True), ("", 79.0, False)],
+    ids=["fp8-on-h100", "bf16-on-h200", "bf16-on-h100"],
+)
+def test_headline_stack_memory_by_the_preflight_estimate(tmp_path, monkeypatch, variant, free_gib, fits):
+    """configs/qwen3_32b.yaml's stack (FP8) fits one H100 80 GB with a full admission wave; the bf16 variant
+    fits an H200 and is refused on an H100 before anything loads."""
+    folders = real_shape_folders(tmp_path)
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "qwen3_32b.yaml",
+        [f"levels.0.model={folders['head']}", f"levels.1.model={folders['qwen3-8b' + variant]}",
+         f"levels.2.model={folders['qwen3-32b' + variant]}"],
+    )  # fmt: skip
+    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: int(free_gib * GIB))
+    if not fits:
+        with pytest.raises(KVCapacityError, match="2.0 GiB estimated free after 77.0 GiB of weights"):
+            hsmc.preflight.estimated_kv_capacity(cfg)
+        return
+    slots = hsmc.preflight.estimated_kv_capacity(cfg)
+    wave = 8 * (6 * (1024 + 22) + 2048)  # 48 rows: 8 prompts of 2048 tokens x 6 particles x (1024 new + lookahead)
+    assert slots >= wave, slots
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_auto_on_a_machine_without_cuda_is_one_config_error(tiny, tmp_path, capsys):
+    import yaml
+
+    from hsmc.cli import main
+
+    path = tmp_path / "cuda.yaml"
+    path.write_text(yaml.safe_dump({"levels": [{"model": str(tiny)}], "engine": {"device": "cuda"}}))
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text('{"prompt": [1, 2, 3]}\n')
+    assert main(["generate", "--config", str(path), "--prompts-file", str(prompts)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hsmc: error: engine.device='cuda' but no CUDA device is available"]
