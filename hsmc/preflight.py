@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from hsmc.config import GenerationConfig, HsmcConfig, LevelConfig, level_label
-from hsmc.engine.kv_sizing import GIB, auto_capacity, block_table_bytes_per_token, free_memory, kv_bytes_per_token
+from hsmc.engine.kv_sizing import (
+    GIB,
+    auto_capacity,
+    block_table_bytes_per_token,
+    free_memory,
+    kv_bytes_per_token,
+    most_useful_tokens,
+)
 from hsmc.engine.scheduler import minimum_kv_tokens, plan_waves, rows_and_lookahead
 from hsmc.errors import ConfigError, ModelLoadError, PromptError
 from hsmc.models.config import DecoderConfig
@@ -71,16 +78,18 @@ def estimated_kv_capacity(cfg: HsmcConfig) -> int:
     if isinstance(capacity, int):
         return capacity
     weights: dict[tuple[str, str, int | None], int] = {}  # levels naming the same model share its weights
-    per_token = []
+    per_token, configs = [], []
     table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
     for level in cfg.levels:
         module = _meta_module(level)
         weights[(level.model, level.dtype, level.num_layers)] = weight_bytes(module)
         per_token.append(kv_bytes_per_token(module.config, COMPUTE_DTYPES[level.dtype]) + table)
+        configs.append(module.config)
     total = sum(weights.values())
     free = free_memory(torch.device(cfg.engine.device)) - total
     what = f"estimated free after {total / GIB:.1f} GiB of weights"
-    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what)
+    most = most_useful_tokens(configs, cfg.engine.max_batch_rows)
+    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what, most_tokens=most)
 
 
 def _meta_module(level: LevelConfig) -> torch.nn.Module:

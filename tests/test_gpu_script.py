@@ -24,7 +24,8 @@ def test_fp8_sections_run_and_check_what_they_claim(tmp_path):
     assert "failed" not in run.stdout, run.stdout
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["fp8gemm"]["worst_rel_err"] < 1e-5  # fp32 activations: the kernel equals the reference
-    assert results["fp8logits"]["max_diff"] == 0.0  # on the CPU both models run the same dequantized matmuls
+    fp8, bf16 = results["fp8logits"]["fp8"], results["fp8logits"]["bf16"]
+    assert fp8 == bf16  # on the CPU both models run the same dequantized matmuls, so both differ from fp32 alike
     assert results["fp8stack"]["tokens"] == 2 * 20  # two prompts, 20 new tokens each (EOS ignored)
     assert len(results["fp8rss"]["shards"]) >= 3
     assert "fp8decode: needs CUDA" in (tmp_path / "summary.txt").read_text()

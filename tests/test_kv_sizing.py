@@ -12,7 +12,7 @@ import hsmc.levels.stack
 import hsmc.preflight
 from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.kv_sizing import MARGIN, RESERVE_BYTES, auto_capacity
+from hsmc.engine.kv_sizing import MARGIN, RESERVE_BYTES, auto_capacity, most_useful_tokens
 from hsmc.errors import KVCapacityError
 from hsmc.models.shapes import weight_bytes
 from hsmc.preflight import check_before_loading
@@ -23,13 +23,24 @@ GIB = 2**30
 def test_capacity_is_free_memory_less_the_reserve_over_the_summed_per_token_bytes():
     per_token = [256 * 1024, 144 * 1024, 4 * 1024]  # Qwen3-32B bf16, Qwen3-8B bf16, an EAGLE3 head
     free = 30 * GIB
-    assert auto_capacity(free, per_token, 1000, "free") == (int(free * (1 - MARGIN)) - RESERVE_BYTES) // (404 * 1024)
+    fits = (int(free * (1 - MARGIN)) - RESERVE_BYTES) // (404 * 1024)
+    assert auto_capacity(free, per_token, 1000, "free", most_tokens=10**9) == fits
+    assert auto_capacity(free, per_token, 1000, "free", most_tokens=fits // 2) == fits // 2
     with pytest.raises(KVCapacityError) as e:
-        auto_capacity(3 * GIB, per_token, 10000, "free after the weights")
+        auto_capacity(3 * GIB, per_token, 10000, "free after the weights", most_tokens=10**9)
     message = str(e.value)
     assert "\n" not in message
     for fragment in ("3.0 GiB free after the weights", "2 GiB reserve", "404 KiB per slot (3 models)", "10000"):
         assert fragment in message, fragment
+
+
+def test_pools_stop_at_the_longest_useful_context_and_at_int32_offsets():
+    from hsmc.models.config import DecoderConfig
+    from hsmc.models.shapes import hf_config
+
+    qwen06 = DecoderConfig.from_hf(hf_config("qwen3-0.6b"))  # 8 KV heads x 128: 1024 elements per slot
+    assert most_useful_tokens([qwen06], 4) == 4 * qwen06.max_position_embeddings
+    assert most_useful_tokens([qwen06], 512) == (2**31 - 1) // 1024 - 1  # a layer's cache stays int32-indexable
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +68,7 @@ def test_auto_pools_hold_what_the_free_memory_holds_and_preflight_predicts_it(ti
     # tiny llama: 2 KV heads x 16 dims in fp32; the draft keeps 2 layers, the target has 5; plus one
     # int64 block-table column per level for the 4 rows and the scratch row
     per_token = (2 + 5) * 2 * 2 * 16 * 4 + 2 * 8 * 5
-    slots = 3000
+    slots = 700  # below the 4 rows x 256 positions past which more slots are of no use
     free_after_weights = -(-(slots * per_token + RESERVE_BYTES) // (1 - MARGIN))
     weights = stack_weights(tiny)
     monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: free_after_weights + weights)
@@ -69,6 +80,8 @@ def test_auto_pools_hold_what_the_free_memory_holds_and_preflight_predicts_it(ti
     explicit = HierarchicalDecoder(config(tiny, kv_capacity_tokens=slots))
     prompts = [[5, 6, 7], [9, 10]]
     assert [r.token_ids for r in decoder.generate(prompts)] == [r.token_ids for r in explicit.generate(prompts)]
+    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: 100 * free_after_weights + weights)
+    assert hsmc.preflight.estimated_kv_capacity(cfg) == 4 * 256  # every row at the models' longest context
 
 
 def test_too_little_memory_fails_before_loading_and_names_the_numbers(tiny, monkeypatch):

@@ -47,14 +47,25 @@ def free_memory(device: torch.device) -> int:
     raise KVCapacityError("engine.kv_capacity_tokens=auto: cannot read the free host memory (/proc/meminfo)")
 
 
-def auto_capacity(free_bytes: int, per_token_bytes: list[int], minimum_tokens: int, what: str) -> int:
-    """Slots that fit in `free_bytes` minus the reserve; KVCapacityError naming the numbers below `minimum_tokens`.
+def most_useful_tokens(configs: list[DecoderConfig], max_rows: int) -> int:
+    """More slots than every row filled to the models' longest context is waste; and a layer's cache must
+    stay indexable in int32 (the Triton kernels' offsets), which small models on large GPUs would pass."""
+    longest = min(c.max_position_embeddings for c in configs)
+    indexable = min((2**31 - 1) // (c.num_kv_heads * c.head_dim) for c in configs) - 1
+    return min(max_rows * longest, indexable)
+
+
+def auto_capacity(
+    free_bytes: int, per_token_bytes: list[int], minimum_tokens: int, what: str, *, most_tokens: int
+) -> int:
+    """Slots that fit in `free_bytes` minus the reserve, at most `most_tokens` (`most_useful_tokens`);
+    KVCapacityError naming the numbers below `minimum_tokens`.
 
     `what` says whose memory this is ("free after the weights", "estimated free after ... GiB of weights").
     """
     per_token = sum(per_token_bytes)
     usable = int(free_bytes * (1 - MARGIN)) - RESERVE_BYTES
-    tokens = max(usable, 0) // per_token
+    tokens = min(max(usable, 0) // per_token, most_tokens)
     if tokens < minimum_tokens:
         raise KVCapacityError(
             f"engine.kv_capacity_tokens=auto: {free_bytes / GIB:.1f} GiB {what}, less a {RESERVE_BYTES / GIB:.0f} GiB "

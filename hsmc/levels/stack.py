@@ -10,7 +10,13 @@ import torch
 from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, random_eagle3_head
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
-from hsmc.engine.kv_sizing import auto_capacity, block_table_bytes_per_token, free_memory, kv_bytes_per_token
+from hsmc.engine.kv_sizing import (
+    auto_capacity,
+    block_table_bytes_per_token,
+    free_memory,
+    kv_bytes_per_token,
+    most_useful_tokens,
+)
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.scheduler import lookahead_tokens, minimum_kv_tokens
 from hsmc.errors import ConfigError
@@ -146,7 +152,9 @@ def _kv_capacity(cfg: HsmcConfig, modules: list[Any], device: torch.device) -> i
         return capacity
     table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
     per_token = [kv_bytes_per_token(m.config, next(m.parameters()).dtype) + table for m in modules]
-    return auto_capacity(free_memory(device), per_token, minimum_kv_tokens(cfg), "free after the weights")
+    most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
+    free = free_memory(device)
+    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), "free after the weights", most_tokens=most)
 
 
 def _check_same_vocabulary(configs: list[LevelConfig], vocabularies: list[tuple[int, Any | None]]) -> None:
