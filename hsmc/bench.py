@@ -356,9 +356,9 @@ def config_for_bench(config: HsmcConfig, batches: list[int], prompt_tokens: int,
     rows_per_prompt, lookahead = rows_and_lookahead(config)
     b = max(batches)
     engine = config.engine
-    capacity = engine.resolved_kv_capacity
-    if capacity != "auto":  # an auto pool takes the free memory anyway
-        capacity = max(capacity, b * (prompt_tokens + rows_per_prompt * (new_tokens + lookahead)) + 64)
+    needed = b * (prompt_tokens + rows_per_prompt * (new_tokens + lookahead)) + 64
+    capacity = engine.resolved_kv_capacity  # "auto" too becomes what the runs need: the rest stays free for them
+    capacity = needed if capacity == "auto" else max(capacity, needed)
     engine = dataclasses.replace(
         engine, max_batch_rows=max(engine.max_batch_rows, b * rows_per_prompt), kv_capacity_tokens=capacity
     )

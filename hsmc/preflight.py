@@ -24,6 +24,7 @@ from hsmc.engine.kv_sizing import (
     free_memory,
     kv_bytes_per_token,
     most_useful_tokens,
+    reserve_bytes,
 )
 from hsmc.engine.scheduler import minimum_kv_tokens, plan_waves, rows_and_lookahead
 from hsmc.errors import ConfigError, ModelLoadError, PromptError
@@ -89,7 +90,8 @@ def estimated_kv_capacity(cfg: HsmcConfig) -> int:
     free = free_memory(torch.device(cfg.engine.device)) - total
     what = f"estimated free after {total / GIB:.1f} GiB of weights"
     most = most_useful_tokens(configs, cfg.engine.max_batch_rows)
-    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what, most_tokens=most)
+    reserve = reserve_bytes(cfg, configs[-1].vocab_size)
+    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
 
 
 def _meta_module(level: LevelConfig) -> torch.nn.Module:

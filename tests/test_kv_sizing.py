@@ -12,25 +12,26 @@ import hsmc.levels.stack
 import hsmc.preflight
 from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.kv_sizing import MARGIN, RESERVE_BYTES, auto_capacity, most_useful_tokens
+from hsmc.engine.kv_sizing import MARGIN, RESERVE_BYTES, auto_capacity, most_useful_tokens, reserve_bytes
 from hsmc.errors import KVCapacityError
 from hsmc.models.shapes import weight_bytes
 from hsmc.preflight import check_before_loading
 
 GIB = 2**30
+VOCAB = 101  # the tiny llama's
 
 
 def test_capacity_is_free_memory_less_the_reserve_over_the_summed_per_token_bytes():
     per_token = [256 * 1024, 144 * 1024, 4 * 1024]  # Qwen3-32B bf16, Qwen3-8B bf16, an EAGLE3 head
     free = 30 * GIB
     fits = (int(free * (1 - MARGIN)) - RESERVE_BYTES) // (404 * 1024)
-    assert auto_capacity(free, per_token, 1000, "free", most_tokens=10**9) == fits
-    assert auto_capacity(free, per_token, 1000, "free", most_tokens=fits // 2) == fits // 2
+    assert auto_capacity(free, per_token, 1000, "free", most_tokens=10**9, reserve=RESERVE_BYTES) == fits
+    assert auto_capacity(free, per_token, 1000, "free", most_tokens=fits // 2, reserve=RESERVE_BYTES) == fits // 2
     with pytest.raises(KVCapacityError) as e:
-        auto_capacity(3 * GIB, per_token, 10000, "free after the weights", most_tokens=10**9)
+        auto_capacity(3 * GIB, per_token, 10000, "free after the weights", most_tokens=10**9, reserve=RESERVE_BYTES)
     message = str(e.value)
     assert "\n" not in message
-    for fragment in ("3.0 GiB free after the weights", "2 GiB reserve", "404 KiB per slot (3 models)", "10000"):
+    for fragment in ("3.0 GiB free after the weights", "2.0 GiB reserve", "404 KiB per slot (3 models)", "10000"):
         assert fragment in message, fragment
 
 
@@ -41,6 +42,17 @@ def test_pools_stop_at_the_longest_useful_context_and_at_int32_offsets():
     qwen06 = DecoderConfig.from_hf(hf_config("qwen3-0.6b"))  # 8 KV heads x 128: 1024 elements per slot
     assert most_useful_tokens([qwen06], 4) == 4 * qwen06.max_position_embeddings
     assert most_useful_tokens([qwen06], 512) == (2**31 - 1) // 1024 - 1  # a layer's cache stays int32-indexable
+
+
+def test_reserve_holds_the_widest_forwards_logits():
+    levels = [
+        {"model": "a", "temperature": 1.0},
+        {"kind": "rejection", "model": "b", "num_draft_tokens": 4, "temperature": 1.0},
+        {"kind": "smc", "model": "c", "temperature": 1.0, "particles": 8, "block_size": 8},
+    ]
+    cfg = load_config({"levels": levels, "engine": {"max_batch_rows": 128}})
+    # 128 rows x 9 tokens (the smc block + bonus, wider than the 5 of a verify) x 151936 fp32 logits, 4 copies
+    assert reserve_bytes(cfg, 151936) == RESERVE_BYTES + 4 * 128 * 9 * 151936 * 4
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +81,7 @@ def test_auto_pools_hold_what_the_free_memory_holds_and_preflight_predicts_it(ti
     # int64 block-table column per level for the 4 rows and the scratch row
     per_token = (2 + 5) * 2 * 2 * 16 * 4 + 2 * 8 * 5
     slots = 700  # below the 4 rows x 256 positions past which more slots are of no use
-    free_after_weights = -(-(slots * per_token + RESERVE_BYTES) // (1 - MARGIN))
+    free_after_weights = -(-(slots * per_token + reserve_bytes(cfg, VOCAB)) // (1 - MARGIN))
     weights = stack_weights(tiny)
     monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: free_after_weights + weights)
     monkeypatch.setattr(hsmc.levels.stack, "free_memory", lambda device: free_after_weights)
@@ -92,14 +104,14 @@ def test_too_little_memory_fails_before_loading_and_names_the_numbers(tiny, monk
         raise AssertionError("weights were loaded before the KV check failed")
 
     monkeypatch.setattr(hsmc.levels.stack, "load_model", tripwire)
-    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: weights + RESERVE_BYTES)
+    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: weights + reserve_bytes(cfg, VOCAB))
     with pytest.raises(KVCapacityError, match=r"GiB estimated free after 0\.0 GiB of weights.*holds 0 KV slots"):
         check_before_loading(cfg, [[5, 6, 7]])
 
 
 def test_built_stack_that_does_not_fit_names_the_numbers(tiny, monkeypatch):
     per_token = (2 + 5) * 2 * 2 * 16 * 4 + 2 * 8 * 5
-    free = -(-(10 * per_token + RESERVE_BYTES) // (1 - MARGIN))
+    free = -(-(10 * per_token + reserve_bytes(config(tiny), VOCAB)) // (1 - MARGIN))
     monkeypatch.setattr(hsmc.levels.stack, "free_memory", lambda device: free)
     # one prompt needs 12 new tokens + 8 of lookahead (3 drafts + 1 bonus, and one overlapped cycle)
     with pytest.raises(

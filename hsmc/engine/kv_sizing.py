@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from hsmc.config import HsmcConfig
 from hsmc.errors import ConfigError, KVCapacityError
 from hsmc.models.config import DecoderConfig
 
-RESERVE_BYTES = 2 * 2**30  # CUDA graph pools, logits and activations of the largest forward
-MARGIN = 0.05  # of the free memory: allocator fragmentation, cuBLAS workspaces
+RESERVE_BYTES = 2 * 2**30  # CUDA graph pools, activations of the largest forward, cuBLAS workspaces
+LOGIT_COPIES = 4  # fp32 logits of the widest forward live several times at once (logits, log-softmax, weights)
+MARGIN = 0.05  # of the free memory: allocator fragmentation
 GIB = 2**30
 
 
@@ -31,6 +33,17 @@ def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype, num_layers: int |
 def block_table_bytes_per_token(max_rows: int) -> int:
     """One int64 column of a level's block table (rows + the scratch row) per slot."""
     return 8 * (max_rows + 1)
+
+
+def reserve_bytes(cfg: HsmcConfig, vocab_size: int) -> int:
+    """Memory the pools must leave for the rest: a fixed part, and the fp32 logits of the widest forward
+    (every row with a verify block's tokens: an SMC cycle over 16 requests x 8 particles x 9 tokens of a
+    152k vocabulary holds 0.7 GB per copy), measured to matter on an H200 where the pools took the rest."""
+    width = max(
+        [1] + [c.block_size + 1 for c in cfg.levels if c.kind == "smc"]
+        + [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]
+    )  # fmt: skip
+    return RESERVE_BYTES + LOGIT_COPIES * cfg.engine.max_batch_rows * width * vocab_size * 4
 
 
 def free_memory(device: torch.device) -> int:
@@ -56,19 +69,19 @@ def most_useful_tokens(configs: list[DecoderConfig], max_rows: int) -> int:
 
 
 def auto_capacity(
-    free_bytes: int, per_token_bytes: list[int], minimum_tokens: int, what: str, *, most_tokens: int
+    free_bytes: int, per_token_bytes: list[int], minimum_tokens: int, what: str, *, most_tokens: int, reserve: int
 ) -> int:
-    """Slots that fit in `free_bytes` minus the reserve, at most `most_tokens` (`most_useful_tokens`);
-    KVCapacityError naming the numbers below `minimum_tokens`.
+    """Slots that fit in `free_bytes` minus `reserve` (`reserve_bytes`) and the margin, at most `most_tokens`
+    (`most_useful_tokens`); KVCapacityError naming the numbers below `minimum_tokens`.
 
     `what` says whose memory this is ("free after the weights", "estimated free after ... GiB of weights").
     """
     per_token = sum(per_token_bytes)
-    usable = int(free_bytes * (1 - MARGIN)) - RESERVE_BYTES
+    usable = int(free_bytes * (1 - MARGIN)) - reserve
     tokens = min(max(usable, 0) // per_token, most_tokens)
     if tokens < minimum_tokens:
         raise KVCapacityError(
-            f"engine.kv_capacity_tokens=auto: {free_bytes / GIB:.1f} GiB {what}, less a {RESERVE_BYTES / GIB:.0f} GiB "
+            f"engine.kv_capacity_tokens=auto: {free_bytes / GIB:.1f} GiB {what}, less a {reserve / GIB:.1f} GiB "
             f"reserve and {MARGIN:.0%}, holds {tokens} KV slots at {per_token / 1024:.0f} KiB per slot "
             f"({len(per_token_bytes)} models), fewer than the {minimum_tokens} one prompt needs "
             "(rows x (max_new_tokens + lookahead)): use a smaller stack, fp8 weights, or a larger GPU"

@@ -16,6 +16,7 @@ from hsmc.engine.kv_sizing import (
     free_memory,
     kv_bytes_per_token,
     most_useful_tokens,
+    reserve_bytes,
 )
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.scheduler import lookahead_tokens, minimum_kv_tokens
@@ -153,8 +154,10 @@ def _kv_capacity(cfg: HsmcConfig, modules: list[Any], device: torch.device) -> i
     table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
     per_token = [kv_bytes_per_token(m.config, next(m.parameters()).dtype) + table for m in modules]
     most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
+    reserve = reserve_bytes(cfg, modules[-1].config.vocab_size)
     free = free_memory(device)
-    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), "free after the weights", most_tokens=most)
+    what = "free after the weights"
+    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
 
 
 def _check_same_vocabulary(configs: list[LevelConfig], vocabularies: list[tuple[int, Any | None]]) -> None:
