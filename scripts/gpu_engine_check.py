@@ -782,6 +782,9 @@ def run_fp8_stack(emulated: str) -> None:
     sizes = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
              c.vocab_size, 32000 if not TINY else 512)  # fmt: skip
     head, _ = published_layout(root / "head", dtype=torch.bfloat16, sizes=sizes, scale=0.02)
+    head_config = json.loads((head / "config.json").read_text())  # a published head's context is its verifier's
+    head_config["max_position_embeddings"] = c.max_position_embeddings
+    (head / "config.json").write_text(json.dumps(head_config))
     loaded = f"{time.perf_counter() - began:.0f} s"
     weights = weight_bytes(big) + weight_bytes(small)
     config = {
@@ -790,7 +793,7 @@ def run_fp8_stack(emulated: str) -> None:
             {"kind": "rejection", "model": "8b", "dtype": "bfloat16", "temperature": 0.6, "num_draft_tokens": 4},
             {"kind": "smc", "model": "32b", "dtype": "bfloat16", "temperature": 0.6, "particles": 6, "block_size": 16},
         ],
-        "engine": {"device": str(DEVICE), "max_batch_rows": 12,
+        "engine": {"device": str(DEVICE), "max_batch_rows": 48,  # as configs/qwen3_32b.yaml
                    "kv_capacity_tokens": "auto" if DEVICE.type == "cuda" else 4096},
         "generation": {"max_new_tokens": 64 if not TINY else 20, "ignore_eos": True},
     }  # fmt: skip
