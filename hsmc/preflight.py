@@ -23,6 +23,7 @@ from hsmc.engine.kv_sizing import (
     block_table_bytes_per_token,
     free_memory,
     kv_bytes_per_token,
+    largest_fp8_weight,
     most_useful_tokens,
     reserve_bytes,
 )
@@ -79,18 +80,19 @@ def estimated_kv_capacity(cfg: HsmcConfig) -> int:
     if isinstance(capacity, int):
         return capacity
     weights: dict[tuple[str, str, int | None], int] = {}  # levels naming the same model share its weights
-    per_token, configs = [], []
+    per_token, configs, modules = [], [], []
     table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
     for level in cfg.levels:
         module = _meta_module(level)
         weights[(level.model, level.dtype, level.num_layers)] = weight_bytes(module)
         per_token.append(kv_bytes_per_token(module.config, COMPUTE_DTYPES[level.dtype]) + table)
         configs.append(module.config)
+        modules.append(module)
     total = sum(weights.values())
     free = free_memory(torch.device(cfg.engine.device)) - total
     what = f"estimated free after {total / GIB:.1f} GiB of weights"
     most = most_useful_tokens(configs, cfg.engine.max_batch_rows)
-    reserve = reserve_bytes(cfg, configs[-1].vocab_size)
+    reserve = reserve_bytes(cfg, configs[-1].vocab_size, largest_fp8_weight(modules))
     return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
 
 

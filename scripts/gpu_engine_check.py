@@ -808,13 +808,16 @@ def run_fp8_stack(emulated: str) -> None:
     seconds = time.perf_counter() - began
     tokens = sum(len(r.token_ids) for r in out)
     peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
+    runners = [lv.runner if hasattr(lv, "runner") else lv.state.runner for lv in decoder.stack.levels]
+    kv = sum(r.cache.data.numel() * r.cache.data.element_size() for r in runners)
     smc = out[0].stats["levels"]
     say(f"fp8stack{emulated}: weights {weights / 1e9:.1f} GB (built in {loaded}), KV auto: "
-        f"{decoder.stack.capacity} slots; 2 prompts x 6 particles: {tokens} tokens in {seconds:.1f} s "
-        f"(after a warm-up); torch.cuda.max_memory_allocated {peak / 2**30:.1f} GiB "
+        f"{decoder.stack.capacity} slots ({kv / 2**30:.1f} GiB); 2 prompts x 6 particles: {tokens} tokens in "
+        f"{seconds:.1f} s (after a warm-up); torch.cuda.max_memory_allocated {peak / 2**30:.1f} GiB, of it "
+        f"{(peak - weights - kv) / 2**30:.1f} GiB neither weights nor KV "
         f"({'fits an H100 80 GB: ok' if peak < H100_BYTES else 'OVER an H100 80 GB'}); levels {smc}")  # fmt: skip
-    results["fp8stack"] = {"weights_bytes": weights, "kv_slots": decoder.stack.capacity, "tokens": tokens,
-                           "seconds": seconds, "max_memory_allocated": peak,
+    results["fp8stack"] = {"weights_bytes": weights, "kv_slots": decoder.stack.capacity, "kv_bytes": kv,
+                           "tokens": tokens, "seconds": seconds, "max_memory_allocated": peak,
                            "emulated_h100": bool(emulated)}  # fmt: skip
 
 

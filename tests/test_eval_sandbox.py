@@ -158,7 +158,9 @@ def test_sleeping_forever_is_killed_by_the_wall_clock(mode):
 
 @pytest.mark.parametrize("mode", ISOLATING)
 def test_memory_bomb_fails(mode):
-    outcome = run("blocks = []\nwhile True:\n    blocks.append(bytearray(50 << 20))\n", mode)
+    # zero-filling 512 MB costs CPU time, more on a loaded machine: a CPU budget the address space runs out before
+    limits = Limits(timeout_s=20, cpu_s=5, memory_mb=512)
+    outcome = run("blocks = []\nwhile True:\n    blocks.append(bytearray(50 << 20))\n", mode, limits)
     assert not outcome.passed and "MemoryError" in outcome.reason
 
 

@@ -18,9 +18,9 @@ from hsmc.config import HsmcConfig
 from hsmc.errors import ConfigError, KVCapacityError
 from hsmc.models.config import DecoderConfig
 
-RESERVE_BYTES = 2 * 2**30  # CUDA graph pools, activations of the largest forward, cuBLAS workspaces
+RESERVE_BYTES = 3 * 2**30  # CUDA graph pools, the levels' buffers, activations, cuBLAS workspaces
 LOGIT_COPIES = 4  # fp32 logits of the widest forward live several times at once (logits, log-softmax, weights)
-MARGIN = 0.05  # of the free memory: allocator fragmentation
+MARGIN = 0.08  # of the free memory: allocator fragmentation
 GIB = 2**30
 
 
@@ -35,15 +35,27 @@ def block_table_bytes_per_token(max_rows: int) -> int:
     return 8 * (max_rows + 1)
 
 
-def reserve_bytes(cfg: HsmcConfig, vocab_size: int) -> int:
-    """Memory the pools must leave for the rest: a fixed part, and the fp32 logits of the widest forward
-    (every row with a verify block's tokens: an SMC cycle over 16 requests x 8 particles x 9 tokens of a
-    152k vocabulary holds 0.7 GB per copy), measured to matter on an H200 where the pools took the rest."""
+def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0) -> int:
+    """Memory the pools must leave for the rest: a fixed part, the fp32 logits of the widest forward (every
+    row with a verify block's tokens: an SMC cycle over 16 requests x 8 particles x 9 tokens of a 152k
+    vocabulary holds 0.7 GB per copy), and two bf16 copies of the largest FP8 matrix (`largest_fp8_weight`
+    elements), which a forward of more rows than the FP8 kernel takes dequantizes. Each term was found
+    missing on an H200 when the pools took the rest (`scripts/gpu_engine_check.py`, smcbench and fp8stack)."""
     width = max(
         [1] + [c.block_size + 1 for c in cfg.levels if c.kind == "smc"]
         + [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]
     )  # fmt: skip
-    return RESERVE_BYTES + LOGIT_COPIES * cfg.engine.max_batch_rows * width * vocab_size * 4
+    logits = LOGIT_COPIES * cfg.engine.max_batch_rows * width * vocab_size * 4
+    return RESERVE_BYTES + logits + 2 * largest_fp8_weight * 2
+
+
+def largest_fp8_weight(modules: list[torch.nn.Module]) -> int:
+    """Elements of the largest FP8 matrix among `modules` (0 when none holds FP8 weights)."""
+    from hsmc.ops.fp8_linear import Fp8Linear
+
+    return max(
+        (m.weight.numel() for module in modules for m in module.modules() if isinstance(m, Fp8Linear)), default=0
+    )
 
 
 def free_memory(device: torch.device) -> int:

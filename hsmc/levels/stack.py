@@ -15,6 +15,7 @@ from hsmc.engine.kv_sizing import (
     block_table_bytes_per_token,
     free_memory,
     kv_bytes_per_token,
+    largest_fp8_weight,
     most_useful_tokens,
     reserve_bytes,
 )
@@ -154,7 +155,7 @@ def _kv_capacity(cfg: HsmcConfig, modules: list[Any], device: torch.device) -> i
     table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
     per_token = [kv_bytes_per_token(m.config, next(m.parameters()).dtype) + table for m in modules]
     most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
-    reserve = reserve_bytes(cfg, modules[-1].config.vocab_size)
+    reserve = reserve_bytes(cfg, modules[-1].config.vocab_size, largest_fp8_weight(modules))
     free = free_memory(device)
     what = "free after the weights"
     return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
