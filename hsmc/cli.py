@@ -306,7 +306,11 @@ def _print_results(
         f"   (device {decoder.config.engine.device}, load {load_seconds:.1f}s)"
     )
     for level in max(results.values(), key=lambda r: r.stats["seconds"]).stats["levels"]:
-        extra = ", ".join(f"{k} {v:.2f}" for k, v in level.items() if k not in ("kind", "model", "share_of_time"))
+        extra = ", ".join(
+            f"{k} {v}" if isinstance(v, int) else f"{k} {v:.2f}"
+            for k, v in level.items()
+            if k not in ("kind", "model", "share_of_time")
+        )
         print(f"{level['kind']:<10} {level['model'][-28:]:<28} {level['share_of_time']:>5.0%}  {extra}")
 
 
