@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,10 @@ def test_fp8_sections_run_and_check_what_they_claim(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["fp8gemm"]["worst_rel_err"] < 1e-5  # fp32 activations: the kernel equals the reference
     fp8, bf16 = results["fp8logits"]["fp8"], results["fp8logits"]["bf16"]
-    assert fp8 == bf16  # on the CPU both models run the same dequantized matmuls, so both differ from fp32 alike
+    # on the CPU both models run the same dequantized bf16 matmuls (up to the threads' reduction order), so both
+    # differ from the fp32 model alike
+    for key in ("max_diff", "mean_diff"):
+        assert fp8[key] == pytest.approx(bf16[key], rel=0.05), key
     assert results["fp8stack"]["tokens"] == 2 * 20  # two prompts, 20 new tokens each (EOS ignored)
     assert len(results["fp8rss"]["shards"]) >= 3
     assert "fp8decode: needs CUDA" in (tmp_path / "summary.txt").read_text()
