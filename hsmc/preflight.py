@@ -17,17 +17,8 @@ from typing import Any
 import torch
 
 from hsmc.config import GenerationConfig, HsmcConfig, LevelConfig, level_label
-from hsmc.engine.kv_sizing import (
-    GIB,
-    auto_capacity,
-    block_table_bytes_per_token,
-    free_memory,
-    kv_bytes_per_token,
-    largest_fp8_weight,
-    most_useful_tokens,
-    reserve_bytes,
-)
-from hsmc.engine.scheduler import minimum_kv_tokens, plan_waves, rows_and_lookahead
+from hsmc.engine.kv_sizing import GIB, free_memory, stack_capacity
+from hsmc.engine.scheduler import plan_waves, rows_and_lookahead
 from hsmc.errors import ConfigError, ModelLoadError, PromptError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
@@ -80,20 +71,12 @@ def estimated_kv_capacity(cfg: HsmcConfig) -> int:
     if isinstance(capacity, int):
         return capacity
     weights: dict[tuple[str, str, int | None], int] = {}  # levels naming the same model share its weights
-    per_token, configs, modules = [], [], []
-    table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
-    for level in cfg.levels:
-        module = _meta_module(level)
+    modules = [_meta_module(level) for level in cfg.levels]
+    for level, module in zip(cfg.levels, modules):
         weights[(level.model, level.dtype, level.num_layers)] = weight_bytes(module)
-        per_token.append(kv_bytes_per_token(module.config, COMPUTE_DTYPES[level.dtype]) + table)
-        configs.append(module.config)
-        modules.append(module)
     total = sum(weights.values())
     free = free_memory(torch.device(cfg.engine.device)) - total
-    what = f"estimated free after {total / GIB:.1f} GiB of weights"
-    most = most_useful_tokens(configs, cfg.engine.max_batch_rows)
-    reserve = reserve_bytes(cfg, configs[-1].vocab_size, largest_fp8_weight(modules))
-    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
+    return stack_capacity(cfg, modules, free, f"estimated free after {total / GIB:.1f} GiB of weights")
 
 
 def _meta_module(level: LevelConfig) -> torch.nn.Module:

@@ -99,3 +99,15 @@ def auto_capacity(
             "(rows x (max_new_tokens + lookahead)): use a smaller stack, fp8 weights, or a larger GPU"
         )
     return tokens
+
+
+def stack_capacity(cfg: HsmcConfig, modules: list[torch.nn.Module], free_bytes: int, what: str) -> int:
+    """`auto_capacity` for `cfg`'s stack of `modules` (one per level, loaded or on the meta device: only
+    configs, dtypes and FP8 layouts are read), in `free_bytes` of memory described by `what`."""
+    from hsmc.engine.scheduler import minimum_kv_tokens
+
+    table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
+    per_token = [kv_bytes_per_token(m.config, next(m.parameters()).dtype) + table for m in modules]
+    most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
+    reserve = reserve_bytes(cfg, modules[-1].config.vocab_size, largest_fp8_weight(modules))
+    return auto_capacity(free_bytes, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)

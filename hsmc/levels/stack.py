@@ -10,17 +10,9 @@ import torch
 from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, random_eagle3_head
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
-from hsmc.engine.kv_sizing import (
-    auto_capacity,
-    block_table_bytes_per_token,
-    free_memory,
-    kv_bytes_per_token,
-    largest_fp8_weight,
-    most_useful_tokens,
-    reserve_bytes,
-)
+from hsmc.engine.kv_sizing import free_memory, stack_capacity
 from hsmc.engine.runner import ModelRunner
-from hsmc.engine.scheduler import lookahead_tokens, minimum_kv_tokens
+from hsmc.engine.scheduler import lookahead_tokens
 from hsmc.errors import ConfigError
 from hsmc.levels.base import Level, SequenceState
 from hsmc.levels.eagle3 import Eagle3Level
@@ -152,13 +144,7 @@ def _kv_capacity(cfg: HsmcConfig, modules: list[Any], device: torch.device) -> i
     capacity = cfg.engine.resolved_kv_capacity
     if isinstance(capacity, int):
         return capacity
-    table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
-    per_token = [kv_bytes_per_token(m.config, next(m.parameters()).dtype) + table for m in modules]
-    most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
-    reserve = reserve_bytes(cfg, modules[-1].config.vocab_size, largest_fp8_weight(modules))
-    free = free_memory(device)
-    what = "free after the weights"
-    return auto_capacity(free, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
+    return stack_capacity(cfg, modules, free_memory(device), "free after the weights")
 
 
 def _check_same_vocabulary(configs: list[LevelConfig], vocabularies: list[tuple[int, Any | None]]) -> None:
