@@ -131,6 +131,9 @@ def check_kernels() -> None:
         f"{d} {max(v for k, v in worst.items() if d in k):.2e}" for d in ("bfloat16", "float16", "float32")
     ))  # fmt: skip
     # fused kernels in bf16: distance in units of bf16 resolution
+    from hsmc.ops import fused as fused_kernels
+    from hsmc.ops.backend import rms_norm_reference
+
     tb, ref = TritonBackend(), TorchBackend()
     x = torch.randn(64, 5120, device="cuda", dtype=torch.bfloat16) * 4
     res = torch.randn_like(x)
@@ -139,11 +142,29 @@ def check_kernels() -> None:
     def ulps(a, b):
         return ((a.float() - b.float()).abs() / (b.float().abs().clamp_min(1) * 2**-7)).max().item()
 
+    silu_ref = torch.nn.functional.silu(x) * res
     fused = {
-        "add_rms_norm": ulps(tb.add_rms_norm(x, res, w, 1e-6)[0], ref.add_rms_norm(x, res, w, 1e-6)[0]),
-        "residual add": ulps(tb.add_rms_norm(x, res, w, 1e-6)[1], ref.add_rms_norm(x, res, w, 1e-6)[1]),
-        "silu_mul": ulps(tb.silu_mul(torch.cat([x, res], -1)), ref.silu_mul(torch.cat([x, res], -1))),
+        "rms_norm": ulps(fused_kernels.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)),
+        "silu_mul": ulps(fused_kernels.silu_mul(torch.cat([x, res], -1)), silu_ref),
     }
+    # one-row Linears (norm / SiLU prologue, residual epilogue) on the 8B's shapes vs the reference backend
+    linears = {}
+    for name, (n, k, step) in {"qkv+norm": (6144, 4096, "norm"), "o+residual": (4096, 4096, "residual"),
+                               "down+silu+residual": (4096, 12288, "silu")}.items():  # fmt: skip
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        norm = torch.nn.Module()
+        norm.weight, norm.eps = w[:k] if k <= 5120 else w.repeat(3)[:k], 1e-6
+        x1 = torch.randn(1, 1, 2 * k if step == "silu" else k, device="cuda", dtype=torch.bfloat16)
+        r1 = torch.randn(1, 1, n, device="cuda", dtype=torch.bfloat16)
+        pair = [
+            b.norm_linear(x1, norm, lin) if step == "norm" else
+            b.linear(x1, lin, r1) if step == "residual" else b.silu_linear(x1, lin, r1)
+            for b in (tb, ref)
+        ]  # fmt: skip
+        linears[name] = ((pair[0].float() - pair[1].float()).norm() / pair[1].float().norm()).item()
+    say("one-row fused Linears vs reference backend (bf16, rel. error): "
+        + ", ".join(f"{k} {v:.1e}" for k, v in linears.items()))  # fmt: skip
+    results["kernels_linears"] = linears
     heads = HeadLayout(32, 8, 128)
     qkv = torch.randn(4, 9, 48 * 128, device="cuda", dtype=torch.bfloat16)
     batch = ragged_batch(rng, 4, 9, 300, 2000)
@@ -526,7 +547,7 @@ def check_profile() -> None:
     for e in prof.key_averages():
         name = e.key
         kind = (
-            "gemm" if any(s in name.lower() for s in ("gemm", "gemv", "sm90", "cutlass", "nvjet")) else
+            "gemm" if any(s in name.lower() for s in ("gemm", "gemv", "linear", "sm90", "cutlass", "nvjet")) else
             "attention" if "attention" in name or "combine" in name else
             "norm" if "rms" in name else "qkv/rope" if "qkv" in name else "silu" if "silu" in name else name[:40]
         )  # fmt: skip
@@ -631,17 +652,16 @@ def check_fp8_gemm() -> None:
             f"{out[f'{name} M={m}']['bf16_ms'] / out[f'{name} M={m}']['ms']:.2f}x bf16)" for m in rows))  # fmt: skip
     say(f"fp8gemm: worst max|out - ref| / max|ref| over all shapes and rows: {worst:.2e} "
         f"({'ok' if worst < 1e-2 else 'TOO LARGE'}: fp32 accumulation, bf16 inputs)")  # fmt: skip
-    # launch settings around the default plan, at M = 1 (decode): what the planner should pick
+    # launch settings around the default plan at 16 rows (an SMC proposal of 16 particles)
     sweep = {}
     for name in ("32b.gate_up", "32b.qkv") if not TINY else ("tiny.square",):
         n, k = matrices[name]
         w, s = quantize_fp8(torch.randn(n, k, device=DEVICE, generator=g, dtype=dtype) * 0.02, QWEN_BLOCK)
-        x = torch.randn(1, k, device=DEVICE, generator=g, dtype=dtype)
-        default = plan_fp8_gemm(1, n, k, QWEN_BLOCK[1], DEVICE)
+        x = torch.randn(16, k, device=DEVICE, generator=g, dtype=dtype)
+        default = plan_fp8_gemm(16, n, k, QWEN_BLOCK[1], DEVICE)
         plans = [default] + [
-            Fp8GemmPlan(bm, bn, bk, split, warps, 3)
-            for bm, bn, bk in ((16, 32, 128), (16, 64, 128), (0, 4, 1024), (0, 8, 512), (0, 16, 512), (0, 32, 256))
-            for split in (1, 2, 4) for warps in (4, 8)
+            Fp8GemmPlan(16, bn, 128, split, warps, 3)
+            for bn in (32, 64, 128) for split in (1, 2, 4) for warps in (4, 8)
         ][: 2 if TINY else None]  # fmt: skip
         timed_plans = sorted(((bench_ms(lambda p=p: fp8_matmul(x, w, s, p)), p) for p in plans), key=lambda t: t[0])
         bytes_read = w.numel() + s.numel() * 4
@@ -649,7 +669,7 @@ def check_fp8_gemm() -> None:
         default_ms = next(t for t, p in timed_plans if p == default)
         sweep[name] = {"default": str(default), "default_TB_s": bytes_read / default_ms / 1e9,
                        "best": str(best), "best_TB_s": bytes_read / best_ms / 1e9}  # fmt: skip
-        say(f"M=1 {name}: default {default} {bytes_read / default_ms / 1e9:.2f} TB/s; "
+        say(f"M=16 {name}: default {default} {bytes_read / default_ms / 1e9:.2f} TB/s; "
             f"best {best} {bytes_read / best_ms / 1e9:.2f} TB/s")  # fmt: skip
     # many rows (SMC verify of 48 rows x 17 tokens = 816, prefill chunks): the Triton kernel vs dequantize + cuBLAS,
     # to place the switch (hsmc.ops.fp8_linear.TRITON_MAX_ROWS)
@@ -666,7 +686,7 @@ def check_fp8_gemm() -> None:
         crossover[m] = {"triton_ms": triton_ms, "dequant_cublas_ms": dequant_ms}
     say(f"{name} by rows, Triton kernel vs dequantize + cuBLAS: " + ", ".join(
         f"M={m} {c['triton_ms']:.3f}/{c['dequant_cublas_ms']:.3f} ms" for m, c in crossover.items()))  # fmt: skip
-    results["fp8gemm"] = {"shapes": out, "worst_rel_err": worst, "m1_sweep": sweep, "crossover": crossover}
+    results["fp8gemm"] = {"shapes": out, "worst_rel_err": worst, "m16_sweep": sweep, "crossover": crossover}
 
 
 def check_fp8_decode() -> None:
@@ -914,6 +934,154 @@ def check_fp8_rss() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# -- Fused decode Linears chained with PDL ------------------------------------------------------------------
+
+
+def layer_linears_of(shape: str, fp8: bool, layers: int | None = None) -> tuple[list[dict], dict]:
+    """Random weights of a shape's decoder-layer Linears ([N, K] bf16, or FP8 + block scales) and norms."""
+    from hsmc.ops.fp8_linear import QWEN_BLOCK, quantize_fp8
+
+    cfg = shape_config(shape)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    dims = {"qkv": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, h),
+            "o": (h, cfg.num_attention_heads * hd), "gate_up": (2 * i, h), "down": (h, i)}  # fmt: skip
+    out = []
+    for _ in range(layers or cfg.num_hidden_layers):
+        layer = {}
+        for name, (n, k) in dims.items():
+            w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
+            layer[name] = quantize_fp8(w, QWEN_BLOCK) if fp8 else (w, None)
+        layer["norm1"] = torch.rand(h, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        layer["norm2"] = torch.rand(h, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        out.append(layer)
+    return out, dims
+
+
+def linear_chain(layers: list[dict], dims: dict, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """A decoder's Linears at one row without attention (o reads the first columns of qkv): separate norm /
+    SiLU / add kernels around cuBLAS (or the FP8 GEMM) as the model ran before, or the fused decode Linears."""
+    import torch.nn.functional as F
+
+    from hsmc.ops import fused as fk
+    from hsmc.ops.decode_linear import decode_linear
+    from hsmc.ops.fp8_gemm import Fp8GemmPlan, fp8_gemm
+    from hsmc.ops.fp8_linear import QWEN_BLOCK
+
+    def lin(t, w, **kw):
+        if fused:
+            return decode_linear(t, w[0], scale=w[1], scale_block=QWEN_BLOCK, **kw)
+        if w[1] is None:
+            return F.linear(t, w[0])
+        return fp8_gemm(t, w[0], w[1], QWEN_BLOCK, Fp8GemmPlan(16, 64, 128, 4))
+
+    q = dims["o"][1]
+    stream = x
+    for layer in layers:
+        if fused:
+            qkv = lin(stream, layer["qkv"], norm=(layer["norm1"], 1e-6))
+            stream = lin(qkv[:, :q], layer["o"], residual=stream)
+            gu = lin(stream, layer["gate_up"], norm=(layer["norm2"], 1e-6))
+            stream = lin(gu, layer["down"], silu_mul=True, residual=stream)
+        else:
+            qkv = lin(fk.rms_norm(stream, layer["norm1"], 1e-6), layer["qkv"])
+            stream = stream + lin(qkv[:, :q], layer["o"])
+            gu = lin(fk.rms_norm(stream, layer["norm2"], 1e-6), layer["gate_up"])
+            stream = stream + lin(fk.silu_mul(gu), layer["down"])
+    return stream
+
+
+def graph_ms(fn) -> float:
+    """Median time of one replay of fn captured in a CUDA graph."""
+    import triton
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, return_mode="median", warmup=25, rep=100)
+
+
+def check_linears() -> None:
+    """Whole-model chains of the decoder Linears at one row: separate kernels around cuBLAS (bf16; the FP8
+    rows time the fused kernel without its prologue/epilogue instead: the old one-row kernel is gone) against
+    the fused decode Linears with and without PDL (same weights, one graph each); then tile settings per
+    Linear."""
+    from hsmc.ops import pdl
+
+    bandwidth = copy_bandwidth(DEVICE)
+    say(f"linears: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    out = results.setdefault("linears", {"bandwidth": bandwidth})
+    for shape, fp8 in (("qwen3-8b", False), ("qwen3-32b", True), ("qwen3-8b", True)):
+        layers, dims = layer_linears_of(shape, fp8)
+        nbytes = sum(w[0].numel() * w[0].element_size() + (0 if w[1] is None else w[1].numel() * 4)
+                     for layer in layers for name, w in layer.items() if name in dims)  # fmt: skip
+        tag = f"{shape} {'fp8' if fp8 else 'bf16'}"
+        x = torch.randn(1, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
+        ref = linear_chain(layers[:2], dims, x, fused=False)
+        got = linear_chain(layers[:2], dims, x, fused=True)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        times = {"fused+pdl": graph_ms(lambda: linear_chain(layers, dims, x, fused=True))}
+        original = pdl.pdl_supported
+        pdl.pdl_supported = lambda device: False
+        try:
+            times["fused"] = graph_ms(lambda: linear_chain(layers, dims, x, fused=True))
+            if not fp8:
+                times["separate"] = graph_ms(lambda: linear_chain(layers, dims, x, fused=False))
+        finally:
+            pdl.pdl_supported = original
+        floor = nbytes / bandwidth * 1e3
+        cells = ", ".join(f"{k} {v:.3f} ms ({floor / v:.0%})" for k, v in times.items())
+        say(f"  {tag} M=1: weight read {floor:.3f} ms; {cells}; 2-layer rel err vs separate {err:.1e}")
+        out[f"{tag} M=1"] = {"floor_ms": floor, **times, "rel_err": err}
+        sweep_linears(layers, dims, tag, bandwidth, out)
+        del layers
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, out: dict) -> None:
+    """Per Linear kind, all layers' instances chained with PDL at one row, over tile settings."""
+    from hsmc.ops.decode_linear import DecodeLinearPlan, decode_linear
+    from hsmc.ops.fp8_linear import QWEN_BLOCK
+
+    fp8 = layers[0]["qkv"][1] is not None
+    kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
+             "down": dict(silu=True, residual=True)}  # fmt: skip
+    settings = (
+        [(8, 1024, 4, 1), (8, 1024, 4, 3), (16, 1024, 4, 1), (16, 1024, 8, 1), (16, 1024, 4, 3), (32, 1024, 8, 1),
+         (8, 2048, 4, 1), (16, 2048, 8, 1), (4, 2048, 4, 1), (32, 512, 8, 1)]
+        if fp8 else
+        [(8, 1024, 4, 1), (8, 1024, 4, 3), (16, 512, 4, 1), (16, 512, 4, 3), (8, 512, 4, 1), (4, 1024, 4, 1),
+         (8, 2048, 8, 1), (16, 1024, 8, 1)]
+    )  # fmt: skip
+    for kind, how in kinds.items():
+        n, k = dims[kind]
+        x = torch.randn(1, 2 * k if how.get("silu") else k, device=DEVICE, dtype=torch.bfloat16)
+        res = torch.randn(1, n, device=DEVICE, dtype=torch.bfloat16)
+        nbytes = sum(layer[kind][0].numel() * layer[kind][0].element_size() for layer in layers)
+        rows = []
+        for block_n, block_k, warps, stages in settings:
+            plan = DecodeLinearPlan(block_n, block_k, warps, stages)
+
+            def chain(plan=plan):
+                for layer in layers:
+                    w, s = layer[kind]
+                    decode_linear(x, w, scale=s, scale_block=QWEN_BLOCK, plan=plan,
+                                  norm=(layer["norm1"], 1e-6) if how.get("norm") else None,
+                                  silu_mul=bool(how.get("silu")), residual=res if how.get("residual") else None)  # fmt: skip
+
+            ms = graph_ms(chain)
+            rows.append((block_n, block_k, warps, stages, ms, nbytes / ms / 1e9))
+        best = min(rows, key=lambda r: r[4])
+        say(f"  sweep {tag} {kind} [{n}x{k}] x{len(layers)}: best {best[:4]}: {best[4]:.3f} ms = {best[5]:.2f} TB/s "
+            f"({best[5] * 1e12 / bandwidth:.0%} of copy); " + " ".join(f"{r[:4]}:{r[5]:.2f}" for r in rows))  # fmt: skip
+        out[f"sweep {tag} {kind}"] = rows
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -945,6 +1113,7 @@ def main() -> None:
         "fp8logits": check_fp8_logits,
         "fp8stack": check_fp8_stack,
         "fp8rss": check_fp8_rss,
+        "linears": check_linears,
     }
     for name in sections:
         began = time.perf_counter()

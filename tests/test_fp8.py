@@ -40,27 +40,25 @@ def test_quantize_maps_each_block_max_to_448_and_round_trips_within_e4m3_precisi
 @pytest.mark.parametrize(
     "m,n,k,block,split",
     [(1, 40, 72, (16, 32), 1), (1, 64, 200, (32, 32), 3), (5, 33, 96, (16, 16), 2), (20, 48, 50, (16, 16), 1)],
-    ids=["gemv", "gemv-splitk-raggedK", "verify-splitk", "rows-raggedN"],
+    ids=["one-row", "one-row-splitk-raggedK", "verify-splitk", "rows-raggedN"],
 )
-@pytest.mark.parametrize("kernel", ["dot", "one-row"])
-def test_triton_fp8_gemm_equals_dequantized_matmul(m, n, k, block, split, dtype, kernel):
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+def test_triton_fp8_gemm_equals_dequantized_matmul(m, n, k, block, split, dtype, residual):
     torch.manual_seed(m + n + k)
     w, scale = quantize_fp8(torch.randn(n, k), block)
     x = torch.randn(m, k).to(dtype)
-    if kernel == "dot":
-        plan = Fp8GemmPlan(block_m=16, block_n=16, block_k=min(block[1], 32), split_k=split, num_stages=1)
-    else:  # K tiles of two scale blocks: a split and the ragged end fall inside and between them
-        plan = Fp8GemmPlan(block_m=0, block_n=8, block_k=2 * block[1], split_k=split, num_stages=1)
-    out = fp8_gemm(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), block, plan).cpu()
-    ref = x.float() @ dequantize_fp8(w, scale, block, torch.float32).T
+    res = torch.randn(m, n).to(dtype) if residual else None
+    plan = Fp8GemmPlan(block_m=16, block_n=16, block_k=min(block[1], 32), split_k=split, num_stages=1)
+    out = fp8_gemm(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), block, plan, None if res is None else res.to(DEVICE))
+    ref = x.float() @ dequantize_fp8(w, scale, block, torch.float32).T + (0 if res is None else res.float())
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    torch.testing.assert_close(out.cpu().float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_default_plans_equal_dequantized_matmul(m):
-    """The planner's own choice (the one-row kernel at M = 1) over a Qwen-sized scale block and ragged K."""
+    """The planner's own choice (the one-row `decode_linear` at M = 1) over a Qwen-sized scale block, ragged K."""
     torch.manual_seed(m)
     w, scale = quantize_fp8(torch.randn(24, 600), (128, 128))
     x = torch.randn(m, 600)

@@ -14,9 +14,15 @@ from helpers import make_runner, run_new_tokens
 
 pytest.importorskip("triton")
 
+import torch.nn.functional as F  # noqa: E402
+
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
+from hsmc.models.decoder import RMSNorm  # noqa: E402
 from hsmc.models.loading import load_model  # noqa: E402
-from hsmc.ops.backend import HeadLayout, Rope, TorchBackend  # noqa: E402
+from hsmc.ops import fused  # noqa: E402
+from hsmc.ops.backend import HeadLayout, Rope, TorchBackend, rms_norm_reference  # noqa: E402
+from hsmc.ops.decode_linear import DecodeLinearPlan, decode_linear  # noqa: E402
+from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
 from hsmc.ops.batch import ForwardBatch, padded_columns  # noqa: E402
 from hsmc.ops.kv_cache import KVCache  # noqa: E402
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
@@ -107,22 +113,105 @@ def ulps_allowed(dtype: torch.dtype) -> float:
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_fused_norms_and_silu_mul_match_reference(dtype):
+def test_fused_norm_and_silu_mul_match_reference(dtype):
     torch.manual_seed(1)
-    triton_backend, reference = TritonBackend(), TorchBackend()
     x = torch.randn(3, 5, 96, device=DEVICE, dtype=dtype) * 3
-    residual = torch.randn(3, 5, 96, device=DEVICE, dtype=dtype)
     weight = (1 + 0.2 * torch.randn(96, device=DEVICE)).to(dtype)
-    (got, stream), (want, want_stream) = (
-        triton_backend.add_rms_norm(x, residual, weight, 1e-6),
-        reference.add_rms_norm(x, residual, weight, 1e-6),
-    )
-    assert exact_or_ulp(stream, want_stream) == 0
     tol = ulps_allowed(dtype)
-    assert exact_or_ulp(got, want) <= tol
-    assert exact_or_ulp(triton_backend.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)) <= tol
+    assert exact_or_ulp(fused.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)) <= tol
     gate_up = torch.randn(4, 2 * 80, device=DEVICE, dtype=dtype) * 2
-    assert exact_or_ulp(triton_backend.silu_mul(gate_up), reference.silu_mul(gate_up)) <= tol
+    gate, up = gate_up.chunk(2, -1)
+    assert exact_or_ulp(fused.silu_mul(gate_up), F.silu(gate) * up) <= tol
+
+
+def decode_linear_reference(x, w, bias=None, norm=None, silu=False, residual=None):
+    """The same function in fp64: what every rounding of the kernel approximates."""
+    x, w = x.double(), w.double()
+    if norm is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0].double()
+    if silu:
+        gate, up = x.chunk(2, -1)
+        x = F.silu(gate) * up
+    y = F.linear(x, w, None if bias is None else bias.double())
+    return y if residual is None else residual.double() + y
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("epilogue", ["none", "bias", "residual", "both"])
+@pytest.mark.parametrize("n,k,block_k", [(40, 72, 32), (96, 300, 128)], ids=["tiles", "ragged-k"])
+def test_decode_linear_matches_reference(dtype, prologue, epilogue, n, k, block_k):
+    """One row through the fused kernel: K tiles with a ragged end, N not a multiple of the rows per program."""
+    torch.manual_seed(n + k)
+    x = torch.randn(1, 1, 2 * k if prologue == "silu_mul" else k, device=DEVICE, dtype=dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    norm = ((torch.rand(k, device=DEVICE) + 0.5).to(dtype), 1e-6) if prologue == "rms_norm" else None
+    bias = torch.randn(n, device=DEVICE).to(dtype) if epilogue in ("bias", "both") else None
+    residual = torch.randn(1, 1, n, device=DEVICE).to(dtype) if epilogue in ("residual", "both") else None
+    out = decode_linear(
+        x, w, bias=bias, norm=norm, silu_mul=prologue == "silu_mul", residual=residual,
+        plan=DecodeLinearPlan(8, block_k),
+    )  # fmt: skip
+    ref = decode_linear_reference(x, w, bias, norm, prologue == "silu_mul", residual)
+    assert out.shape == ref.shape and out.dtype == dtype
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < (1e-6 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("n,k,block_n,block_k", [(256, 384, 8, 128), (136, 300, 16, 256), (64, 520, 4, 512)])
+def test_decode_linear_fp8_matches_dequantized_matmul(n, k, block_n, block_k):
+    """FP8 weights: K tiles of several scale blocks with a ragged last block; a program's rows in one scale row."""
+    torch.manual_seed(n)
+    w, scale = quantize_fp8(torch.randn(n, k) / k**0.5, (128, 128))
+    x = torch.randn(1, k)
+    norm = (torch.rand(k) + 0.5, 1e-6)
+    residual = torch.randn(1, n)
+    out = decode_linear(
+        x.to(DEVICE), w.to(DEVICE), scale=scale.to(DEVICE), scale_block=(128, 128), norm=(norm[0].to(DEVICE), 1e-6),
+        residual=residual.to(DEVICE), plan=DecodeLinearPlan(block_n, block_k),
+    ).cpu()  # fmt: skip
+    ref = decode_linear_reference(x, dequantize_fp8(w, scale, (128, 128), torch.float32), norm=norm, residual=residual)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_backend_linears_match_reference(fp8, rows):
+    """The backend's three Linear steps (one row: the fused kernel; more: norm/SiLU kernels + a GEMM with the
+    residual) against the reference backend on the same modules."""
+    torch.manual_seed(rows)
+    k, n = 256, 128
+    dense = torch.nn.Linear(k, n, bias=False)
+    down = torch.nn.Linear(k, n, bias=False)
+    if fp8:
+        dense, down = (fp8_module(m) for m in (dense, down))
+    dense, down = dense.to(DEVICE), down.to(DEVICE)
+    norm = RMSNorm(k, 1e-6).to(DEVICE)
+    norm.weight.data = torch.rand(k, device=DEVICE) + 0.5
+    stream = torch.randn(rows, 1, k, device=DEVICE)
+    gate_up = torch.randn(rows, 1, 2 * k, device=DEVICE)
+    residual = torch.randn(rows, 1, n, device=DEVICE)
+    outs = []
+    for backend in (TritonBackend(), TorchBackend()):
+        with torch.no_grad():
+            outs.append(
+                [
+                    backend.linear(stream, dense),
+                    backend.linear(stream, dense, residual),
+                    backend.norm_linear(stream, norm, dense),
+                    backend.silu_linear(gate_up, down, residual),
+                ]
+            )
+    for got, want in zip(*outs):
+        assert got.shape == want.shape
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def fp8_module(linear: torch.nn.Linear) -> Fp8Linear:
+    module = Fp8Linear(linear.in_features, linear.out_features, False, (128, 128))
+    w, scale = quantize_fp8(linear.weight.detach(), (128, 128))
+    module.weight.data, module.weight_scale_inv.data = w, scale
+    return module
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)

@@ -39,9 +39,8 @@ class Eagle3Layer(nn.Module):
             ],
             dim=-1,
         )
-        norm = self.post_attention_layernorm
-        h, residual = backend.add_rms_norm(self.self_attn(x, ctx), hidden, norm.weight, norm.eps)
-        return residual + self.mlp(h, backend)
+        stream = self.self_attn(x, ctx, None, residual=hidden)
+        return self.mlp(stream, self.post_attention_layernorm, backend)
 
 
 class Eagle3Head(nn.Module):
@@ -78,7 +77,7 @@ class Eagle3Head(nn.Module):
         out = self.midlayer(embeds, hidden, ctx)
         if last_only:
             out = last_positions(out, batch)
-        return out, self.lm_head(backend.rms_norm(out, self.norm.weight, self.norm.eps))
+        return out, backend.norm_linear(out, self.norm, self.lm_head)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

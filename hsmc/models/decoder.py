@@ -2,10 +2,10 @@
 
 Weights are fused where one matmul can replace several: q/k/v into `qkv_proj`, gate/up into
 `gate_up_proj`, joined by a load hook and split again by a state-dict hook, so checkpoints keep
-transformers' parameter names (`model.layers.0.self_attn.q_proj.weight`, ...) both ways. The residual
-stream is carried next to each layer's output and added inside the next norm (one fused kernel on
-the GPU). Numerics follow transformers (RMSNorm in fp32, RoPE angles in fp32 cast to the activation
-dtype), so fp32 logits agree to ~1e-5.
+transformers' parameter names (`model.layers.0.self_attn.q_proj.weight`, ...) both ways. A layer hands
+the residual stream and its modules to the backend, which decides what to fuse (on the GPU a one-row
+Linear carries the norm before it and the residual add after it). Numerics follow transformers (RMSNorm
+in fp32, RoPE angles in fp32 cast to the activation dtype), so fp32 logits agree to ~1e-5.
 """
 
 from __future__ import annotations
@@ -86,10 +86,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext, norm: RMSNorm | None, residual: torch.Tensor) -> torch.Tensor:
+        """residual + o_proj(attention(qkv_proj(norm(x)))): the stream after this attention block (no norm: x as
+        is, an EAGLE3 head's concatenated input)."""
+        backend = ctx.backend
+        qkv = backend.norm_linear(x, norm, self.qkv_proj) if norm is not None else backend.linear(x, self.qkv_proj)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
-        q = ctx.backend.qkv_to_cache(self.layer, self.qkv_proj(x), self.heads, qk_norm, ctx.cache, ctx.batch, ctx.meta)
-        return self.o_proj(ctx.backend.attend(self.layer, q, ctx.cache, ctx.batch, ctx.meta))
+        q = backend.qkv_to_cache(self.layer, qkv, self.heads, qk_norm, ctx.cache, ctx.batch, ctx.meta)
+        return backend.linear(backend.attend(self.layer, q, ctx.cache, ctx.batch, ctx.meta), self.o_proj, residual)
 
 
 class MLP(nn.Module):
@@ -100,8 +104,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.register_state_dict_post_hook(_split_state_hook)
 
-    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return self.down_proj(backend.silu_mul(self.gate_up_proj(x)))
+    def forward(self, stream: torch.Tensor, norm: RMSNorm, backend: Backend) -> torch.Tensor:
+        """stream + down_proj(silu(gate) * up) of gate_up_proj(norm(stream)): the stream after this block."""
+        return backend.silu_linear(backend.norm_linear(stream, norm, self.gate_up_proj), self.down_proj, stream)
 
 
 @dataclass(frozen=True)
@@ -122,14 +127,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: LayerContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual): the stream entering this layer is x + residual; returns the same pair after it."""
-        norm1, norm2, backend = self.input_layernorm, self.post_attention_layernorm, ctx.backend
-        h, residual = backend.add_rms_norm(x, residual, norm1.weight, norm1.eps)
-        h, residual = backend.add_rms_norm(self.self_attn(h, ctx), residual, norm2.weight, norm2.eps)
-        return self.mlp(h, backend), residual
+    def forward(self, stream: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """The residual stream after this layer."""
+        stream = self.self_attn(stream, ctx, self.input_layernorm, residual=stream)
+        return self.mlp(stream, self.post_attention_layernorm, ctx.backend)
 
 
 class Transformer(nn.Module):
@@ -181,17 +182,14 @@ class DecoderLM(nn.Module):
         n = self.config.num_layers
         if any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture indices must lie in [0, {n - 1}] for a {n}-layer model, got {capture}")
-        x = self.model.embed_tokens(batch.tokens)
-        ctx = LayerContext(batch, cache, backend, backend.prepare(batch, self.rope, x.dtype))
-        residual: torch.Tensor | None = None
+        stream = self.model.embed_tokens(batch.tokens)
+        ctx = LayerContext(batch, cache, backend, backend.prepare(batch, self.rope, stream.dtype))
         streams: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture:
-                streams[i] = x if residual is None else x + residual
-            x, residual = layer(x, residual, ctx)
-        norm = self.model.norm
-        hidden, _ = backend.add_rms_norm(x, residual, norm.weight, norm.eps)
+                streams[i] = stream
+            stream = layer(stream, ctx)
         features = torch.cat([streams[i] for i in capture], dim=-1) if capture else None
         if last_only:
-            hidden = last_positions(hidden, batch)
-        return self.lm_head(hidden), features
+            stream = last_positions(stream, batch)
+        return backend.norm_linear(stream, self.model.norm, self.lm_head), features

@@ -1,12 +1,14 @@
 """The kernels a forward runs with, behind one small interface (mini-sglang's attention backend,
-widened to the elementwise steps around attention).
+widened to the Linears and the memory-bound steps around them).
 
-A model calls its backend for the steps that are memory-bound and would otherwise be many small
-kernels per layer: RMSNorm (fused with the residual add), SiLU·mul, and the q/k norm + RoPE + KV
-write that turns a fused qkv projection into a query, plus paged attention itself. Matmuls stay
-plain `nn.Linear`. `TorchBackend` is the reference: plain torch, any device, the CPU oracle; the
-Triton backend (`hsmc.ops.triton_backend`) must match it. `prepare` runs once per forward and,
-like everything here, only enqueues device work, so a whole forward can be captured in a CUDA graph.
+A model hands its backend the residual stream and the modules, so the backend decides what to fuse: a
+Linear with the RMSNorm before it (`norm_linear`), with SiLU·mul before it (`silu_linear`) and with the
+residual add after it (`residual=`); the q/k norm + RoPE + KV write that turns a fused qkv projection
+into a query; paged attention. A `linear` module is an `nn.Linear` (or `FusedLinear`) or an FP8
+`Fp8Linear`; calling it is the reference matmul. `TorchBackend` is the reference: plain torch, any
+device, the CPU oracle, differentiable; the Triton backend (`hsmc.ops.triton_backend`) must match it.
+`prepare` runs once per forward and, like everything here, only enqueues device work, so a whole forward
+can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.kv_cache import KVCache
@@ -42,6 +45,13 @@ class HeadLayout:
         return self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
 
+class RMSNormWeight(Protocol):
+    """What a norm module holds: its weight and epsilon."""
+
+    weight: torch.Tensor
+    eps: float
+
+
 class Backend(Protocol):
     name: str
 
@@ -51,14 +61,16 @@ class Backend(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual); a None residual means x is the stream itself."""
+    def linear(self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[residual +] linear(x): a residual makes the next stream (after o_proj and down_proj)."""
         ...
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
+    def norm_linear(self, stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
+        """linear(rms_norm(stream)): the norm before q/k/v, gate/up and the LM head."""
+        ...
+
+    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension."""
         ...
 
     def qkv_to_cache(
@@ -131,15 +143,15 @@ class TorchBackend:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_reference(x, weight, eps)
 
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = x if residual is None else x + residual
-        return rms_norm_reference(stream, weight, eps), stream
+    def linear(self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x) if residual is None else residual + linear(x)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def norm_linear(self, stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
+        return linear(rms_norm_reference(stream, norm.weight, norm.eps))
+
+    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return residual + linear(F.silu(gate) * up)
 
     def qkv_to_cache(
         self,

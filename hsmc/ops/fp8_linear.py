@@ -6,8 +6,8 @@ config.json says so under `quantization_config` (`quant_method: fp8`, `weight_bl
 `activation_scheme: dynamic`). Activations stay in the model's dtype (weight-only FP8): decode is bound
 by reading weights, and halving their bytes is what speeds it up.
 
-On CUDA, up to `TRITON_MAX_ROWS` rows run the Triton kernel of `fp8_gemm.py` (dequantizing in the
-kernel); more rows dequantize the matrix and call cuBLAS. On the CPU the reference dequantizes and
+On CUDA, one row runs `decode_linear.py`'s kernel and up to `TRITON_MAX_ROWS` rows the Triton GEMM of
+`fp8_gemm.py` (both dequantizing in the kernel); more rows dequantize the matrix and call cuBLAS. On the CPU the reference dequantizes and
 multiplies: it is the oracle the kernel is checked against.
 """
 
@@ -93,15 +93,27 @@ def dequantize_fp8(
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, block: tuple[int, int]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: tuple[int, int],
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """[residual +] x @ dequant(weight)^T [+ bias]."""
     rows = x.numel() // x.shape[-1]
+    shape = (*x.shape[:-1], weight.shape[0])
     if x.is_cuda and rows <= TRITON_MAX_ROWS:
         from hsmc.ops.fp8_gemm import fp8_gemm
 
-        out = fp8_gemm(x.reshape(rows, x.shape[-1]), weight, scale, block).view(*x.shape[:-1], weight.shape[0])
-        return out if bias is None else out + bias
-    return F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)
+        x2 = x.reshape(rows, x.shape[-1])
+        if bias is None:  # the GEMM adds the residual as it rounds
+            res = residual.reshape(rows, -1) if residual is not None else None
+            return fp8_gemm(x2, weight, scale, block, residual=res).view(shape)
+        out = fp8_gemm(x2, weight, scale, block).view(shape) + bias
+    else:
+        out = F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)
+    return out if residual is None else residual + out
 
 
 class Fp8Linear(nn.Module):

@@ -1,11 +1,12 @@
 """Fused Triton kernels for the memory-bound steps around attention, one kernel each instead of the
 5-10 small kernels the torch reference launches per step (a decode step of a 36-layer model would
-otherwise spend more time launching elementwise kernels than reading weights).
+otherwise spend more time launching elementwise kernels than reading weights). A one-row forward runs
+RMSNorm and SiLU·mul inside its Linears (`decode_linear.py`); these serve the forwards of more rows.
 
 Each kernel reproduces the reference's rounding: values are computed in fp32 and rounded to the
-activation dtype exactly where `TorchBackend` rounds (after the residual add, after normalizing,
-after scaling by the weight, after each RoPE product), so bf16 outputs agree with the reference
-bit for bit except where fp32 transcendental functions differ in the last place.
+activation dtype exactly where `TorchBackend` rounds (after normalizing, after scaling by the weight,
+after each RoPE product), so bf16 outputs agree with the reference bit for bit except where fp32
+transcendental functions differ in the last place.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hsmc.ops.pdl import pdl_launch
 
 
 @triton.jit
@@ -22,46 +25,26 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    out_ptr,
-    stream_ptr,
-    N,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < N
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * N + cols, mask=valid, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        x = _round(x + tl.load(res_ptr + row * N + cols, mask=valid, other=0.0).to(tl.float32), dtype)
-        tl.store(stream_ptr + row * N + cols, x.to(dtype), mask=valid)
     variance = tl.sum(x * x, 0) / N
     h = _round(x * tl.rsqrt(variance + eps), dtype)
     w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, (h * w).to(dtype), mask=valid)
 
 
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) in one pass; without a residual, (rms_norm(x), x)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of every row of x (contiguous rows), one program per row."""
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
+    x2 = x.reshape(-1, n).contiguous()
     out = torch.empty_like(x2)
-    stream = torch.empty_like(x2) if residual is not None else x2
-    res = residual.reshape(-1, n) if residual is not None else x2
     block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, res, weight, out, stream, n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)),
-    )  # fmt: skip
-    return out.view(x.shape), stream.view(x.shape)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return out.view(x.shape)
 
 
 @triton.jit
@@ -106,7 +89,11 @@ def _qkv_rope_store_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -176,5 +163,6 @@ def qkv_rope_store(
         keys.stride(0), keys.stride(1), rope_scale, eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HAS_QK_NORM=qk_norm is not None, num_warps=1,
+        **pdl_launch(qkv.device),
     )  # fmt: skip
     return q

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hsmc.ops.pdl import pdl_launch
+
 
 @triton.jit
 def _attention_kernel(
@@ -58,7 +60,11 @@ def _attention_kernel(
     SPLITS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,7 +165,11 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     head = tl.program_id(1)
     r = pid // T
@@ -270,6 +280,7 @@ def paged_attention(
         HAS_MASK=mask is not None,
         IEEE=q.dtype == torch.float32,
         num_warps=plan.num_warps,
+        **pdl_launch(q.device),
     )
     if plan.splits > 1:
         _combine_kernel[(r * t, h)](
@@ -285,5 +296,6 @@ def paged_attention(
             HEAD_DIM=d,
             BLOCK_D=block_d,
             SPLITS=plan.splits,
+            **pdl_launch(q.device),
         )
     return out

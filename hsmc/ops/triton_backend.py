@@ -1,16 +1,25 @@
-"""The Triton backend: the same steps as `TorchBackend`, each one fused kernel (`fused.py`), and paged
-attention over the block tables (`paged_attention.py`). Selected by `engine.attention: triton`
-(the default on CUDA); it also runs on the CPU under `TRITON_INTERPRET=1`, which is how the suite
-checks it against the reference without a GPU."""
+"""The Triton backend: the same steps as `TorchBackend` in fused kernels, and paged attention over the
+block tables (`paged_attention.py`). Selected by `engine.attention: triton` (the default on CUDA); it
+also runs on the CPU under `TRITON_INTERPRET=1`, which is how the suite checks it against the reference
+without a GPU.
+
+A Linear of one row (batch-1 decode) is one `decode_linear` kernel with its norm or SiLU·mul and its
+residual add inside, chained to the next kernel by programmatic dependent launch. More rows run a GEMM
+(cuBLAS with the residual as its `beta` term, or the FP8 GEMM with a residual epilogue) after a separate
+RMSNorm or SiLU·mul kernel (`fused.py`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from hsmc.ops import fused
-from hsmc.ops.backend import HeadLayout, Rope
+from hsmc.ops.backend import HeadLayout, RMSNormWeight, Rope
+from hsmc.ops.decode_linear import decode_linear
+from hsmc.ops.fp8_linear import Fp8Linear, fp8_linear
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
@@ -36,15 +45,22 @@ class TritonBackend:
         return TritonMeta(rope, {})
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return fused.add_rms_norm(x, None, weight, eps)[0]
+        return fused.rms_norm(x, weight, eps)
 
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused.add_rms_norm(x, residual, weight, eps)
+    def linear(self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if _one_row(x, linear):
+            return decode_linear(x, **_weights(linear), residual=residual)
+        return _matmul(x, linear, residual)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return fused.silu_mul(gate_up)
+    def norm_linear(self, stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
+        if _one_row(stream, linear):
+            return decode_linear(stream, **_weights(linear), norm=(norm.weight, norm.eps))
+        return _matmul(fused.rms_norm(stream, norm.weight, norm.eps), linear, None)
+
+    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+        if _one_row(gate_up, linear):
+            return decode_linear(gate_up, **_weights(linear), silu_mul=True, residual=residual)
+        return _matmul(fused.silu_mul(gate_up), linear, residual)
 
     def qkv_to_cache(
         self,
@@ -90,3 +106,26 @@ class TritonBackend:
             batch.mask,
         )
         return out.view(r, t, -1)
+
+
+def _one_row(x: torch.Tensor, linear: nn.Module) -> bool:
+    """One row goes through `decode_linear` (FP8 when its tiles fit the scale blocks, as Qwen's 128x128 do)."""
+    return x.numel() == x.shape[-1] and (not isinstance(linear, Fp8Linear) or linear.block[0] % 8 == 0)
+
+
+def _weights(linear: nn.Module) -> dict:
+    if isinstance(linear, Fp8Linear):
+        return dict(weight=linear.weight, scale=linear.weight_scale_inv, scale_block=linear.block, bias=linear.bias)
+    return dict(weight=linear.weight, bias=linear.bias)
+
+
+def _matmul(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
+    """[residual +] linear(x) as one GEMM where the GEMM can add the residual."""
+    if isinstance(linear, Fp8Linear):
+        return fp8_linear(x, linear.weight, linear.weight_scale_inv, linear.bias, linear.block, residual)
+    if residual is None:
+        return F.linear(x, linear.weight, linear.bias)
+    if linear.bias is not None:
+        return residual + F.linear(x, linear.weight, linear.bias)
+    n = linear.weight.shape[0]
+    return torch.addmm(residual.reshape(-1, n), x.reshape(-1, x.shape[-1]), linear.weight.t()).view(residual.shape)
