@@ -1052,12 +1052,14 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
     fp8 = layers[0]["qkv"][1] is not None
     kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
              "down": dict(silu=True, residual=True)}  # fmt: skip
+    # (rows per program, K tile, warps, stages, reduce: 0 elementwise / 1 rows / 2 scale blocks, fused prologue)
     settings = (
-        [(8, 1024, 4, 1), (8, 1024, 4, 3), (16, 1024, 4, 1), (16, 1024, 8, 1), (16, 1024, 4, 3), (32, 1024, 8, 1),
-         (8, 2048, 4, 1), (16, 2048, 8, 1), (4, 2048, 4, 1), (32, 512, 8, 1)]
+        [(8, 1024, 4, 1, 2, True), (32, 512, 8, 1, 2, True), (8, 1024, 4, 1, 0, True), (16, 512, 4, 1, 0, True),
+         (16, 512, 4, 1, 0, False), (8, 1024, 4, 1, 0, False), (32, 512, 8, 1, 1, True), (32, 512, 8, 1, 1, False),
+         (64, 512, 8, 1, 1, False), (16, 1024, 8, 1, 1, False), (32, 512, 8, 1, 2, False), (8, 1024, 4, 1, 2, False)]
         if fp8 else
-        [(8, 1024, 4, 1), (8, 1024, 4, 3), (16, 512, 4, 1), (16, 512, 4, 3), (8, 512, 4, 1), (4, 1024, 4, 1),
-         (8, 2048, 8, 1), (16, 1024, 8, 1)]
+        [(8, 1024, 4, 1, 0, True), (16, 512, 4, 1, 0, True), (8, 1024, 4, 1, 0, False), (16, 512, 4, 1, 0, False),
+         (32, 512, 8, 1, 1, True), (32, 512, 8, 1, 1, False), (4, 1024, 4, 1, 0, True)]
     )  # fmt: skip
     for kind, how in kinds.items():
         n, k = dims[kind]
@@ -1065,8 +1067,8 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
         res = torch.randn(1, n, device=DEVICE, dtype=torch.bfloat16)
         nbytes = sum(layer[kind][0].numel() * layer[kind][0].element_size() for layer in layers)
         rows = []
-        for block_n, block_k, warps, stages in settings:
-            plan = DecodeLinearPlan(block_n, block_k, warps, stages)
+        for setting in settings:
+            plan = DecodeLinearPlan(*setting)
 
             def chain(plan=plan):
                 for layer in layers:
@@ -1076,10 +1078,10 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
                                   silu_mul=bool(how.get("silu")), residual=res if how.get("residual") else None)  # fmt: skip
 
             ms = graph_ms(chain)
-            rows.append((block_n, block_k, warps, stages, ms, nbytes / ms / 1e9))
-        best = min(rows, key=lambda r: r[4])
-        say(f"  sweep {tag} {kind} [{n}x{k}] x{len(layers)}: best {best[:4]}: {best[4]:.3f} ms = {best[5]:.2f} TB/s "
-            f"({best[5] * 1e12 / bandwidth:.0%} of copy); " + " ".join(f"{r[:4]}:{r[5]:.2f}" for r in rows))  # fmt: skip
+            rows.append((*setting, ms, nbytes / ms / 1e9))
+        best = min(rows, key=lambda r: r[-2])
+        say(f"  sweep {tag} {kind} [{n}x{k}] x{len(layers)}: best {best[:-2]}: {best[-2]:.3f} ms = {best[-1]:.2f} TB/s "
+            f"({best[-1] * 1e12 / bandwidth:.0%} of copy); " + " ".join(f"{r[:-2]}:{r[-1]:.2f}" for r in rows))  # fmt: skip
         out[f"sweep {tag} {kind}"] = rows
 
 def main() -> None:

@@ -32,27 +32,29 @@ import torch
 import triton
 import triton.language as tl
 
+from hsmc.ops import fused
 from hsmc.ops.pdl import pdl_launch
 
 NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
+ELEMENTWISE, ROWS, SCALE_BLOCKS = 0, 1, 2  # how a program sums its products (DecodeLinearPlan.reduce)
 
 
 @dataclass(frozen=True)
 class DecodeLinearPlan:
-    """Weight rows per program, K tile and launch settings of one (N, K, weight kind) problem."""
+    """Weight rows per program, K tile, how products are summed, and launch settings of one problem.
+
+    reduce: ELEMENTWISE keeps a [rows, K tile] fp32 sum and reduces once at the end (fewest instructions,
+    most registers); ROWS reduces every tile to one sum per row; SCALE_BLOCKS (FP8) sums each scale block
+    of a tile, then scales. ELEMENTWISE and ROWS fold FP8 scales into the input. `fuse_prologue` False runs
+    the norm / SiLU·mul as its own (PDL-chained) kernel, so the matmul's programs do not repeat it per tile.
+    """
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
-
-
-def plan_decode_linear(n: int, k: int, scale_block_k: int | None) -> DecodeLinearPlan:
-    """Settings measured on an H100 over the Qwen3-8B / 32B Linears (`scripts/gpu_engine_check.py --sections
-    linears` sweeps them): 8 rows x 1024 columns per tile."""
-    if scale_block_k is None:
-        return DecodeLinearPlan(8, 1024)
-    return DecodeLinearPlan(8, max(scale_block_k, 1024 // scale_block_k * scale_block_k))
+    reduce: int = ELEMENTWISE
+    fuse_prologue: bool = True
 
 
 @triton.jit
@@ -97,6 +99,7 @@ def _decode_linear_kernel(
     SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    REDUCE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -105,14 +108,17 @@ def _decode_linear_kernel(
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    blocks: tl.constexpr = BLOCK_K // SCALE_K  # FP8: scale blocks per K tile (K tiles start on a block)
+    blocks: tl.constexpr = BLOCK_K // SCALE_K  # SCALE_BLOCKS: scale blocks per K tile (tiles start on a block)
     rb = tl.arange(0, blocks)
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn  # FP8: a program's rows share one scale row
 
     # weights (and scales) are never written during a forward: the first tile loads before the wait
     w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
     if FP8:
-        s = tl.load(s_row + rb, mask=rb * SCALE_K < K, other=0.0)
+        if REDUCE == 2:
+            s = tl.load(s_row + rb, mask=rb * SCALE_K < K, other=0.0)
+        else:
+            s = tl.load(s_row + rk // SCALE_K, mask=rk < K, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -125,10 +131,10 @@ def _decode_linear_kernel(
             squares += x * x
         inv = tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
-    if FP8:
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    else:
+    if REDUCE == 0:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + rk
         next_cols = cols + BLOCK_K
@@ -140,19 +146,27 @@ def _decode_linear_kernel(
         )
         x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
         if FP8:
-            next_blocks = (k0 + BLOCK_K) // SCALE_K + rb
-            s_next = tl.load(s_row + next_blocks, mask=next_blocks * SCALE_K < K, other=0.0)
+            if REDUCE == 2:
+                next_blocks = (k0 + BLOCK_K) // SCALE_K + rb
+                s_next = tl.load(s_row + next_blocks, mask=next_blocks * SCALE_K < K, other=0.0)
+            else:
+                s_next = tl.load(s_row + next_cols // SCALE_K, mask=next_cols < K, other=0.0)
+                x = x * s
+        if REDUCE == 0:
+            acc += w.to(tl.float32) * x[None, :]
+        elif REDUCE == 1:
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        else:
             per_block = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, blocks, SCALE_K)), axis=2)
             acc += tl.sum(per_block * s[None, :], axis=1)
-            s = s_next
-        else:
-            acc += w.to(tl.float32) * x[None, :]
         w = w_next
+        if FP8:
+            s = s_next
 
-    if FP8:
-        y = acc
-    else:
+    if REDUCE == 0:
         y = tl.sum(acc, 1)
+    else:
+        y = acc
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -181,8 +195,11 @@ def decode_linear(
     fp8 = scale is not None
     scale_n, scale_k = scale_block if fp8 else (1, 1)
     plan = plan or plan_decode_linear(n, k, scale_k if fp8 else None)
-    if fp8 and (scale_n % plan.block_n or plan.block_k % scale_k):
+    if fp8 and (scale_n % plan.block_n or (plan.reduce == SCALE_BLOCKS and plan.block_k % scale_k)):
         raise ValueError(f"tile {plan.block_n}x{plan.block_k} does not fit the fp8 scale block {scale_block}")
+    if not plan.fuse_prologue and (norm is not None or silu_mul):
+        x = fused.rms_norm(x, *norm) if norm is not None else fused.silu_mul(x)
+        norm, silu_mul = None, False
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     _decode_linear_kernel[(triton.cdiv(n, plan.block_n),)](
         x.contiguous(), weight, scale if fp8 else weight, bias if bias is not None else weight,
@@ -190,7 +207,7 @@ def decode_linear(
         n, k, weight.stride(0), scale.stride(0) if fp8 else 0, norm[1] if norm is not None else 0.0,
         PROLOGUE=SILU_MUL if silu_mul else (RMS_NORM if norm is not None else NO_PROLOGUE),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, REDUCE=plan.reduce,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out

@@ -25,7 +25,10 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < N
@@ -43,12 +46,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, n).contiguous()
     out = torch.empty_like(x2)
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, weight, out, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device)
+    )
     return out.view(x.shape)
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < inner
@@ -65,7 +73,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     flat = gate_up.reshape(-1, two_i)
     out = torch.empty(flat.shape[0], two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(flat.shape[0], triton.cdiv(two_i // 2, block))](flat, out, two_i // 2, BLOCK=block, num_warps=4)
+    grid = (flat.shape[0], triton.cdiv(two_i // 2, block))
+    _silu_mul_kernel[grid](flat, out, two_i // 2, BLOCK=block, num_warps=4, **pdl_launch(gate_up.device))
     return out.view(*gate_up.shape[:-1], two_i // 2)
 
 
