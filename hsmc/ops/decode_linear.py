@@ -57,6 +57,14 @@ class DecodeLinearPlan:
     fuse_prologue: bool = True
 
 
+def plan_decode_linear(n: int, k: int, scale_block_k: int | None) -> DecodeLinearPlan:
+    """Settings measured on the GPU over the Qwen3-8B / 32B Linears (`scripts/gpu_engine_check.py --sections
+    linears` sweeps them)."""
+    if scale_block_k is None:
+        return DecodeLinearPlan(8, 1024)
+    return DecodeLinearPlan(8, max(scale_block_k, 1024 // scale_block_k * scale_block_k), reduce=SCALE_BLOCKS)
+
+
 @triton.jit
 def _round(x, dtype: tl.constexpr):
     """Round fp32 values to `dtype` and back, as a torch op producing `dtype` would."""
