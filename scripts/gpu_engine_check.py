@@ -1052,14 +1052,17 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
     fp8 = layers[0]["qkv"][1] is not None
     kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
              "down": dict(silu=True, residual=True)}  # fmt: skip
-    # (rows per program, K tile, warps, stages, reduce: 0 elementwise / 1 rows / 2 scale blocks, fused prologue)
+    # (rows per program, K tile, warps, stages, reduce: 0 elementwise / 1 rows / 2 scale blocks, fused prologue,
+    # L2 prefetch before the PDL wait); stages 1 = next tile in registers, more = Triton's pipelining
     settings = (
-        [(8, 1024, 4, 1, 2, True), (32, 512, 8, 1, 2, True), (8, 1024, 4, 1, 0, True), (16, 512, 4, 1, 0, True),
-         (16, 512, 4, 1, 0, False), (8, 1024, 4, 1, 0, False), (32, 512, 8, 1, 1, True), (32, 512, 8, 1, 1, False),
-         (64, 512, 8, 1, 1, False), (16, 1024, 8, 1, 1, False), (32, 512, 8, 1, 2, False), (8, 1024, 4, 1, 2, False)]
+        [(8, 1024, 4, 3, 2, False, False), (8, 1024, 4, 3, 2, False, True), (8, 512, 4, 3, 2, False, True),
+         (4, 1024, 4, 3, 2, False, True), (8, 1024, 4, 4, 2, False, True), (32, 512, 8, 3, 1, False, True),
+         (16, 512, 4, 3, 0, False, True), (8, 1024, 4, 1, 2, False, True), (8, 1024, 4, 3, 2, True, True),
+         (32, 512, 8, 1, 1, False, True)]
         if fp8 else
-        [(8, 1024, 4, 1, 0, True), (16, 512, 4, 1, 0, True), (8, 1024, 4, 1, 0, False), (16, 512, 4, 1, 0, False),
-         (32, 512, 8, 1, 1, True), (32, 512, 8, 1, 1, False), (4, 1024, 4, 1, 0, True)]
+        [(8, 1024, 4, 1, 0, True, False), (8, 1024, 4, 1, 0, True, True), (16, 512, 4, 1, 0, True, True),
+         (8, 1024, 4, 3, 0, True, True), (16, 512, 4, 3, 1, True, True), (8, 1024, 4, 1, 0, False, True),
+         (4, 1024, 4, 1, 0, True, True), (16, 512, 4, 1, 0, False, True)]
     )  # fmt: skip
     for kind, how in kinds.items():
         n, k = dims[kind]

@@ -45,8 +45,11 @@ class DecodeLinearPlan:
 
     reduce: ELEMENTWISE keeps a [rows, K tile] fp32 sum and reduces once at the end (fewest instructions,
     most registers); ROWS reduces every tile to one sum per row; SCALE_BLOCKS (FP8) sums each scale block
-    of a tile, then scales. ELEMENTWISE and ROWS fold FP8 scales into the input. `fuse_prologue` False runs
-    the norm / SiLU·mul as its own (PDL-chained) kernel, so the matmul's programs do not repeat it per tile.
+    of a tile, then scales. ELEMENTWISE and ROWS fold FP8 scales into the input. `num_stages` 1 loads the
+    next tile into registers while this one is multiplied; more stages let Triton pipeline the loads
+    through shared memory. `l2_prefetch` asks L2 for the program's whole weight slice before waiting on the
+    previous kernel. `fuse_prologue` False runs the norm / SiLU·mul as its own (PDL-chained) kernel, so
+    the matmul's programs do not repeat it per tile.
     """
 
     block_n: int
@@ -55,6 +58,7 @@ class DecodeLinearPlan:
     num_stages: int = 1
     reduce: int = ELEMENTWISE
     fuse_prologue: bool = True
+    l2_prefetch: bool = False
 
 
 def plan_decode_linear(n: int, k: int, scale_block_k: int | None) -> DecodeLinearPlan:
@@ -86,6 +90,40 @@ def _input_tile(x_ptr, cols, ok, K, inv, norm_ptr, PROLOGUE: tl.constexpr, dtype
 
 
 @triton.jit
+def _prefetch_l2(w_ptr, rn, N, K, stride_wn, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for weight rows `rn` (every 128-byte line, LINE elements each) without waiting for them."""
+    rows = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn
+    lines = tl.arange(0, BLOCK_K // LINE) * LINE
+    for k0 in range(0, K, BLOCK_K):
+        addr = rows + tl.minimum(k0 + lines, K - 1)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _accumulate(acc, w, x, s, BLOCK_N: tl.constexpr, SCALE_K: tl.constexpr, REDUCE: tl.constexpr, FP8: tl.constexpr):
+    """acc + the products of one tile (x already carries the FP8 scales unless REDUCE is SCALE_BLOCKS)."""
+    if REDUCE == 0:
+        acc += w.to(tl.float32) * x[None, :]
+    elif REDUCE == 1:
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    else:
+        blocks: tl.constexpr = x.shape[0] // SCALE_K
+        per_block = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, blocks, SCALE_K)), axis=2)
+        acc += tl.sum(per_block * s[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _tile_scales(s_row, k0, K, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, REDUCE: tl.constexpr):
+    """FP8 scales of the K tile at k0: one per scale block (SCALE_BLOCKS), else one per column."""
+    if REDUCE == 2:
+        b = k0 // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
+        return tl.load(s_row + b, mask=b * SCALE_K < K, other=0.0)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(s_row + cols // SCALE_K, mask=cols < K, other=0.0)
+
+
+@triton.jit
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
@@ -108,6 +146,9 @@ def _decode_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     REDUCE: tl.constexpr,
+    STAGES: tl.constexpr,
+    L2_PREFETCH: tl.constexpr,
+    LINE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -116,17 +157,14 @@ def _decode_linear_kernel(
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    blocks: tl.constexpr = BLOCK_K // SCALE_K  # SCALE_BLOCKS: scale blocks per K tile (tiles start on a block)
-    rb = tl.arange(0, blocks)
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn  # FP8: a program's rows share one scale row
 
-    # weights (and scales) are never written during a forward: the first tile loads before the wait
-    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
-    if FP8:
-        if REDUCE == 2:
-            s = tl.load(s_row + rb, mask=rb * SCALE_K < K, other=0.0)
-        else:
-            s = tl.load(s_row + rk // SCALE_K, mask=rk < K, other=0.0)
+    # weights (and scales) are never written during a forward: they may load before the wait
+    if L2_PREFETCH:
+        _prefetch_l2(w_ptr, rn, N, K, stride_wn, BLOCK_K, LINE)
+    if STAGES == 1:
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+        s = _tile_scales(s_row, 0, K, BLOCK_K, SCALE_K, REDUCE) if FP8 else 0.0
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -143,33 +181,38 @@ def _decode_linear_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + rk
-        next_cols = cols + BLOCK_K
-        w_next = tl.load(
-            w_rows + next_cols[None, :],
-            mask=n_ok[:, None] & (next_cols < K)[None, :],
-            other=0.0,
-            eviction_policy="evict_first",
-        )
-        x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
-        if FP8:
-            if REDUCE == 2:
-                next_blocks = (k0 + BLOCK_K) // SCALE_K + rb
-                s_next = tl.load(s_row + next_blocks, mask=next_blocks * SCALE_K < K, other=0.0)
-            else:
-                s_next = tl.load(s_row + next_cols // SCALE_K, mask=next_cols < K, other=0.0)
-                x = x * s
-        if REDUCE == 0:
-            acc += w.to(tl.float32) * x[None, :]
-        elif REDUCE == 1:
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        else:
-            per_block = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, blocks, SCALE_K)), axis=2)
-            acc += tl.sum(per_block * s[None, :], axis=1)
-        w = w_next
-        if FP8:
-            s = s_next
+    if STAGES == 1:  # the next tile loads into registers while this one is multiplied
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + rk
+            next_cols = cols + BLOCK_K
+            w_next = tl.load(
+                w_rows + next_cols[None, :],
+                mask=n_ok[:, None] & (next_cols < K)[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
+            if FP8:
+                s_next = _tile_scales(s_row, k0 + BLOCK_K, K, BLOCK_K, SCALE_K, REDUCE)
+                if REDUCE != 2:
+                    x = x * s
+            acc = _accumulate(acc, w, x, s, BLOCK_N, SCALE_K, REDUCE, FP8)
+            w = w_next
+            if FP8:
+                s = s_next
+    else:  # Triton pipelines the loads through shared memory
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            cols = k0 + rk
+            w = tl.load(
+                w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first"
+            )
+            x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
+            s = 0.0
+            if FP8:
+                s = _tile_scales(s_row, k0, K, BLOCK_K, SCALE_K, REDUCE)
+                if REDUCE != 2:
+                    x = x * s
+            acc = _accumulate(acc, w, x, s, BLOCK_N, SCALE_K, REDUCE, FP8)
 
     if REDUCE == 0:
         y = tl.sum(acc, 1)
@@ -215,7 +258,8 @@ def decode_linear(
         n, k, weight.stride(0), scale.stride(0) if fp8 else 0, norm[1] if norm is not None else 0.0,
         PROLOGUE=SILU_MUL if silu_mul else (RMS_NORM if norm is not None else NO_PROLOGUE),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, REDUCE=plan.reduce,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(x.device),
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, REDUCE=plan.reduce, STAGES=plan.num_stages,
+        L2_PREFETCH=plan.l2_prefetch and x.is_cuda, LINE=min(plan.block_k, 128 // weight.element_size()),
+        num_warps=plan.num_warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
