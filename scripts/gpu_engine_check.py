@@ -1052,17 +1052,12 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
     fp8 = layers[0]["qkv"][1] is not None
     kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
              "down": dict(silu=True, residual=True)}  # fmt: skip
-    # (rows per program, K tile, warps, stages, reduce: 0 elementwise / 1 rows / 2 scale blocks, fused prologue,
-    # L2 prefetch before the PDL wait); stages 1 = next tile in registers, more = Triton's pipelining
+    # (rows per program, K tile, warps, FP8 pipeline stages, fused prologue)
     settings = (
-        [(8, 1024, 4, 3, 2, False, False), (8, 1024, 4, 3, 2, False, True), (8, 512, 4, 3, 2, False, True),
-         (4, 1024, 4, 3, 2, False, True), (8, 1024, 4, 4, 2, False, True), (32, 512, 8, 3, 1, False, True),
-         (16, 512, 4, 3, 0, False, True), (8, 1024, 4, 1, 2, False, True), (8, 1024, 4, 3, 2, True, True),
-         (32, 512, 8, 1, 1, False, True)]
+        [(8, 1024, 4, 3, False), (8, 512, 4, 3, False), (4, 1024, 4, 3, False), (8, 1024, 4, 4, False),
+         (16, 1024, 8, 3, False), (8, 1024, 4, 3, True)]
         if fp8 else
-        [(8, 1024, 4, 1, 0, True, False), (8, 1024, 4, 1, 0, True, True), (16, 512, 4, 1, 0, True, True),
-         (8, 1024, 4, 3, 0, True, True), (16, 512, 4, 3, 1, True, True), (8, 1024, 4, 1, 0, False, True),
-         (4, 1024, 4, 1, 0, True, True), (16, 512, 4, 1, 0, False, True)]
+        [(8, 1024, 4, 1, True), (16, 512, 4, 1, True), (4, 1024, 4, 1, True), (8, 1024, 4, 1, False)]
     )  # fmt: skip
     for kind, how in kinds.items():
         n, k = dims[kind]
@@ -1086,6 +1081,50 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
         say(f"  sweep {tag} {kind} [{n}x{k}] x{len(layers)}: best {best[:-2]}: {best[-2]:.3f} ms = {best[-1]:.2f} TB/s "
             f"({best[-1] * 1e12 / bandwidth:.0%} of copy); " + " ".join(f"{r[:-2]}:{r[-1]:.2f}" for r in rows))  # fmt: skip
         out[f"sweep {tag} {kind}"] = rows
+
+def check_decode_attention() -> None:
+    """The whole Qwen3-8B one-row decode forward (graph replay, PDL chain) with the attention plan forced to
+    each setting, at a short and a long context: where the planner's choice shows in the step time."""
+    import hsmc.ops.triton_backend as triton_backend
+    from hsmc.engine.cuda_graphs import CUDAGraphs
+    from hsmc.ops.paged_attention import AttentionPlan
+
+    say("== decode attention plans inside the 8B one-row forward ==")
+    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    tables = BlockTables(SlotAllocator(8192, "cuda"), 1, 8192)
+    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    rows = torch.zeros(1, dtype=torch.int64, device="cuda")
+    one = torch.ones(1, dtype=torch.int64, device="cuda")
+    planner = triton_backend.plan_attention
+    out = {}
+    try:
+        for context in (260, 2000):
+            with torch.inference_mode():
+                tables.release(rows, 8192)
+                runner.forward(runner.new_tokens(rows, torch.randint(0, 1000, (1, context), device="cuda"),
+                                                 one * context, context), True)  # fmt: skip
+            timings = {}
+            for plan in [None] + [AttentionPlan(4, 16, s, b, w) for s in (1, 2, 4, 8, 16) for b in (32, 64, 128)
+                                  for w in (2, 4)]:  # fmt: skip
+                triton_backend.plan_attention = planner if plan is None else (lambda *a, p=plan: p)
+                runner.graphs = CUDAGraphs(runner)
+                tokens = torch.randint(0, 1000, (1, 1), device="cuda")
+                with torch.inference_mode():
+                    step = lambda: runner.forward(runner.new_tokens(rows, tokens, one, context + 1), True)  # noqa: E731
+                    step()
+                    tables.truncate(rows, torch.full_like(rows, context), 1)
+                    t = timed(lambda: [(step(), tables.truncate(rows, torch.full_like(rows, context), 1))
+                                       for _ in range(50)]) / 50  # fmt: skip
+                timings["planner" if plan is None else f"{plan.splits}x{plan.block_n}/{plan.num_warps}w"] = t * 1e3
+            best = min(timings, key=timings.get)
+            say(f"context {context}: planner {timings['planner']:.3f} ms per forward; best {best} {timings[best]:.3f} ms; "
+                + " ".join(f"{k}:{v:.3f}" for k, v in timings.items()))  # fmt: skip
+            out[context] = timings
+    finally:
+        triton_backend.plan_attention = planner
+    results["decode_attention"] = out
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -1119,6 +1158,7 @@ def main() -> None:
         "fp8stack": check_fp8_stack,
         "fp8rss": check_fp8_rss,
         "linears": check_linears,
+        "decodeattn": check_decode_attention,
     }
     for name in sections:
         began = time.perf_counter()

@@ -140,7 +140,8 @@ def decode_linear_reference(x, w, bias=None, norm=None, silu=False, residual=Non
 @pytest.mark.parametrize("prologue", ["none", "rms_norm", "silu_mul"])
 @pytest.mark.parametrize("epilogue", ["none", "bias", "residual", "both"])
 @pytest.mark.parametrize("n,k,block_k", [(40, 72, 32), (96, 300, 128)], ids=["tiles", "ragged-k"])
-def test_decode_linear_matches_reference(dtype, prologue, epilogue, n, k, block_k):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "prologue-kernel"])
+def test_decode_linear_matches_reference(dtype, prologue, epilogue, n, k, block_k, fuse):
     """One row through the fused kernel: K tiles with a ragged end, N not a multiple of the rows per program."""
     torch.manual_seed(n + k)
     x = torch.randn(1, 1, 2 * k if prologue == "silu_mul" else k, device=DEVICE, dtype=dtype)
@@ -150,7 +151,7 @@ def test_decode_linear_matches_reference(dtype, prologue, epilogue, n, k, block_
     residual = torch.randn(1, 1, n, device=DEVICE).to(dtype) if epilogue in ("residual", "both") else None
     out = decode_linear(
         x, w, bias=bias, norm=norm, silu_mul=prologue == "silu_mul", residual=residual,
-        plan=DecodeLinearPlan(8, block_k),
+        plan=DecodeLinearPlan(8, block_k, fuse_prologue=fuse),
     )  # fmt: skip
     ref = decode_linear_reference(x, w, bias, norm, prologue == "silu_mul", residual)
     assert out.shape == ref.shape and out.dtype == dtype
@@ -159,7 +160,8 @@ def test_decode_linear_matches_reference(dtype, prologue, epilogue, n, k, block_
 
 
 @pytest.mark.parametrize("n,k,block_n,block_k", [(256, 384, 8, 128), (136, 300, 16, 256), (64, 520, 4, 512)])
-def test_decode_linear_fp8_matches_dequantized_matmul(n, k, block_n, block_k):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "prologue-kernel"])
+def test_decode_linear_fp8_matches_dequantized_matmul(n, k, block_n, block_k, fuse):
     """FP8 weights: K tiles of several scale blocks with a ragged last block; a program's rows in one scale row."""
     torch.manual_seed(n)
     w, scale = quantize_fp8(torch.randn(n, k) / k**0.5, (128, 128))
@@ -168,7 +170,7 @@ def test_decode_linear_fp8_matches_dequantized_matmul(n, k, block_n, block_k):
     residual = torch.randn(1, n)
     out = decode_linear(
         x.to(DEVICE), w.to(DEVICE), scale=scale.to(DEVICE), scale_block=(128, 128), norm=(norm[0].to(DEVICE), 1e-6),
-        residual=residual.to(DEVICE), plan=DecodeLinearPlan(block_n, block_k),
+        residual=residual.to(DEVICE), plan=DecodeLinearPlan(block_n, block_k, fuse_prologue=fuse),
     ).cpu()  # fmt: skip
     ref = decode_linear_reference(x, dequantize_fp8(w, scale, (128, 128), torch.float32), norm=norm, residual=residual)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6

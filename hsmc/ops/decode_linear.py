@@ -6,22 +6,23 @@ weight bytes over the memory bandwidth plus whatever leaves the memory idle: the
 each kernel's ramp-up and tail, and the small kernels between the matmuls (RMSNorm, SiLU·mul, residual
 add). One kernel here is a Linear with
 - a prologue: none, the RMSNorm of the residual stream (before q/k/v, gate/up and the LM head), or
-  SiLU(gate)·up (before down);
-- an epilogue: the bias, and the residual add that makes the next stream (after o and down);
-so a decoder layer is four of these around RoPE and attention, and no separate norm, SiLU or add kernel.
+  SiLU(gate)·up (before down) -- or, where the plan says so, that step as a separate kernel before it;
+- an epilogue: the bias, and the residual add that makes the next stream (after o and down).
 
 With programmatic dependent launch (`pdl.py`) a kernel is launched while the previous one still runs: its
 programs load their first weight tile, which no kernel of a forward writes, then wait for the previous
 kernel's output and let the next kernel launch. That hides the launch gap and the ramp-up of each matmul
 behind the tail of the last.
 
-A program streams BLOCK_N weight rows in K tiles, the next tile loading while this one is multiplied.
-bf16/fp16/fp32 weights accumulate elementwise and reduce once at the end; block-scaled FP8 weights (Qwen's
-layout, read as stored) reduce each scale block of a tile, scale it and accumulate, which keeps the
-registers free for tiles as long as bf16's. More rows use tensor-core GEMMs (cuBLAS, `fp8_gemm`): a
-tensor-core version of this kernel measured 3x slower than cuBLAS at 8-16 rows.
-Rounding follows the torch reference (`TorchBackend`): normalized values, SiLU and its product rounded
-where it rounds them, and the Linear's output rounded before the residual is added.
+A program streams BLOCK_N weight rows in K tiles. bf16/fp16/fp32 weights accumulate elementwise and
+reduce once at the end, the next tile loading into registers while this one is multiplied. Block-scaled
+FP8 weights (Qwen's layout, read as stored) move twice the elements per byte, so their kernel is short of
+instructions rather than bandwidth: each scale block of a tile is summed, scaled and accumulated, and
+Triton pipelines the tiles through shared memory. Measured on an H200 (Qwen3-8B/32B Linears, all layers
+chained): 3.4-4.0 TB/s bf16, 3.1-4.0 TB/s FP8 (32B), against a 4.25 TB/s copy. More rows use tensor-core
+GEMMs (cuBLAS, `fp8_gemm`): a tensor-core version of this kernel measured 3x slower than cuBLAS at 8-16
+rows. Rounding follows the torch reference (`TorchBackend`): normalized values, SiLU and its product
+rounded where it rounds them, and the Linear's output rounded before the residual is added.
 """
 
 from __future__ import annotations
@@ -36,37 +37,35 @@ from hsmc.ops import fused
 from hsmc.ops.pdl import pdl_launch
 
 NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
-ELEMENTWISE, ROWS, SCALE_BLOCKS = 0, 1, 2  # how a program sums its products (DecodeLinearPlan.reduce)
 
 
 @dataclass(frozen=True)
 class DecodeLinearPlan:
-    """Weight rows per program, K tile, how products are summed, and launch settings of one problem.
-
-    reduce: ELEMENTWISE keeps a [rows, K tile] fp32 sum and reduces once at the end (fewest instructions,
-    most registers); ROWS reduces every tile to one sum per row; SCALE_BLOCKS (FP8) sums each scale block
-    of a tile, then scales. ELEMENTWISE and ROWS fold FP8 scales into the input. `num_stages` 1 loads the
-    next tile into registers while this one is multiplied; more stages let Triton pipeline the loads
-    through shared memory. `l2_prefetch` asks L2 for the program's whole weight slice before waiting on the
-    previous kernel. `fuse_prologue` False runs the norm / SiLU·mul as its own (PDL-chained) kernel, so
-    the matmul's programs do not repeat it per tile.
-    """
+    """Weight rows per program, K tile and launch settings of one problem. `num_stages` is the depth of
+    Triton's load pipeline (FP8 weights; dense weights load the next tile into registers instead).
+    `fuse_prologue` False runs the norm / SiLU·mul as its own PDL-chained kernel, so the matmul's programs
+    do not repeat it for every tile."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
-    num_stages: int = 1
-    reduce: int = ELEMENTWISE
+    num_stages: int = 3
     fuse_prologue: bool = True
-    l2_prefetch: bool = False
 
 
-def plan_decode_linear(n: int, k: int, scale_block_k: int | None) -> DecodeLinearPlan:
-    """Settings measured on the GPU over the Qwen3-8B / 32B Linears (`scripts/gpu_engine_check.py --sections
-    linears` sweeps them)."""
-    if scale_block_k is None:
-        return DecodeLinearPlan(8, 1024)
-    return DecodeLinearPlan(8, max(scale_block_k, 1024 // scale_block_k * scale_block_k), reduce=SCALE_BLOCKS)
+def plan_decode_linear(n: int, k: int, scale_block_k: int | None, prologue: int) -> DecodeLinearPlan:
+    """Settings measured on an H200 over the Qwen3-8B / 32B Linears (`scripts/gpu_engine_check.py --sections
+    linears` sweeps them, chained as a forward chains them): 8 rows x 1024 columns per program; 16 x 512
+    for a normed Linear of up to 8192 rows (q/k/v); a normed wider one (gate/up, the LM head) reads faster
+    after a separate norm kernel. FP8 weights always take the separate kernel (the prologue would be
+    repeated per tile in a kernel that is short of instructions, not bandwidth) and pipeline 3 tiles;
+    K tiles of 512 for matrices under 64 Mi entries."""
+    if scale_block_k is not None:
+        block_k = 512 if n * k < 64 * 2**20 else 1024
+        return DecodeLinearPlan(8, max(scale_block_k, block_k // scale_block_k * scale_block_k), fuse_prologue=False)
+    if prologue == RMS_NORM:
+        return DecodeLinearPlan(16, 512) if n <= 8192 else DecodeLinearPlan(8, 1024, fuse_prologue=False)
+    return DecodeLinearPlan(8, 1024)
 
 
 @triton.jit
@@ -87,40 +86,6 @@ def _input_tile(x_ptr, cols, ok, K, inv, norm_ptr, PROLOGUE: tl.constexpr, dtype
         w = tl.load(norm_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         x = _round(_round(x * inv, dtype) * w, dtype)
     return x
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, rn, N, K, stride_wn, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for weight rows `rn` (every 128-byte line, LINE elements each) without waiting for them."""
-    rows = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn
-    lines = tl.arange(0, BLOCK_K // LINE) * LINE
-    for k0 in range(0, K, BLOCK_K):
-        addr = rows + tl.minimum(k0 + lines, K - 1)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _accumulate(acc, w, x, s, BLOCK_N: tl.constexpr, SCALE_K: tl.constexpr, REDUCE: tl.constexpr, FP8: tl.constexpr):
-    """acc + the products of one tile (x already carries the FP8 scales unless REDUCE is SCALE_BLOCKS)."""
-    if REDUCE == 0:
-        acc += w.to(tl.float32) * x[None, :]
-    elif REDUCE == 1:
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    else:
-        blocks: tl.constexpr = x.shape[0] // SCALE_K
-        per_block = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, blocks, SCALE_K)), axis=2)
-        acc += tl.sum(per_block * s[None, :], axis=1)
-    return acc
-
-
-@triton.jit
-def _tile_scales(s_row, k0, K, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, REDUCE: tl.constexpr):
-    """FP8 scales of the K tile at k0: one per scale block (SCALE_BLOCKS), else one per column."""
-    if REDUCE == 2:
-        b = k0 // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
-        return tl.load(s_row + b, mask=b * SCALE_K < K, other=0.0)
-    cols = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(s_row + cols // SCALE_K, mask=cols < K, other=0.0)
 
 
 @triton.jit
@@ -145,10 +110,7 @@ def _decode_linear_kernel(
     SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    REDUCE: tl.constexpr,
     STAGES: tl.constexpr,
-    L2_PREFETCH: tl.constexpr,
-    LINE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -157,14 +119,8 @@ def _decode_linear_kernel(
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn  # FP8: a program's rows share one scale row
-
-    # weights (and scales) are never written during a forward: they may load before the wait
-    if L2_PREFETCH:
-        _prefetch_l2(w_ptr, rn, N, K, stride_wn, BLOCK_K, LINE)
-    if STAGES == 1:
+    if not FP8:  # weights are never written during a forward: the first tile loads before the wait
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
-        s = _tile_scales(s_row, 0, K, BLOCK_K, SCALE_K, REDUCE) if FP8 else 0.0
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -177,11 +133,22 @@ def _decode_linear_kernel(
             squares += x * x
         inv = tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
-    if REDUCE == 0:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
+    if FP8:  # each scale block of a tile summed, scaled, accumulated; Triton pipelines the tiles
+        blocks: tl.constexpr = BLOCK_K // SCALE_K  # K tiles start on a scale block
+        s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn  # a program's rows share one scale row
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if STAGES == 1:  # the next tile loads into registers while this one is multiplied
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            cols = k0 + rk
+            w = tl.load(
+                w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first"
+            )
+            x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
+            per_block = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, blocks, SCALE_K)), axis=2)
+            b = k0 // SCALE_K + tl.arange(0, blocks)
+            acc += tl.sum(per_block * tl.load(s_row + b, mask=b * SCALE_K < K, other=0.0)[None, :], axis=1)
+        y = acc
+    else:  # products summed elementwise, reduced once; the next tile loads while this one is multiplied
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + rk
             next_cols = cols + BLOCK_K
@@ -191,33 +158,10 @@ def _decode_linear_kernel(
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
-            if FP8:
-                s_next = _tile_scales(s_row, k0 + BLOCK_K, K, BLOCK_K, SCALE_K, REDUCE)
-                if REDUCE != 2:
-                    x = x * s
-            acc = _accumulate(acc, w, x, s, BLOCK_N, SCALE_K, REDUCE, FP8)
+            acc += w.to(tl.float32) * _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)[None, :]
             w = w_next
-            if FP8:
-                s = s_next
-    else:  # Triton pipelines the loads through shared memory
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            cols = k0 + rk
-            w = tl.load(
-                w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first"
-            )
-            x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
-            s = 0.0
-            if FP8:
-                s = _tile_scales(s_row, k0, K, BLOCK_K, SCALE_K, REDUCE)
-                if REDUCE != 2:
-                    x = x * s
-            acc = _accumulate(acc, w, x, s, BLOCK_N, SCALE_K, REDUCE, FP8)
-
-    if REDUCE == 0:
         y = tl.sum(acc, 1)
-    else:
-        y = acc
+
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -245,21 +189,21 @@ def decode_linear(
         raise ValueError(f"decode_linear takes one row of {2 * k if silu_mul else k} values, got {tuple(x.shape)}")
     fp8 = scale is not None
     scale_n, scale_k = scale_block if fp8 else (1, 1)
-    plan = plan or plan_decode_linear(n, k, scale_k if fp8 else None)
-    if fp8 and (scale_n % plan.block_n or (plan.reduce == SCALE_BLOCKS and plan.block_k % scale_k)):
+    prologue = SILU_MUL if silu_mul else (RMS_NORM if norm is not None else NO_PROLOGUE)
+    plan = plan or plan_decode_linear(n, k, scale_k if fp8 else None, prologue)
+    if fp8 and (scale_n % plan.block_n or plan.block_k % scale_k):
         raise ValueError(f"tile {plan.block_n}x{plan.block_k} does not fit the fp8 scale block {scale_block}")
-    if not plan.fuse_prologue and (norm is not None or silu_mul):
-        x = fused.rms_norm(x, *norm) if norm is not None else fused.silu_mul(x)
-        norm, silu_mul = None, False
+    if not plan.fuse_prologue and prologue != NO_PROLOGUE:
+        x = fused.rms_norm(x, *norm) if prologue == RMS_NORM else fused.silu_mul(x)
+        prologue = NO_PROLOGUE
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     _decode_linear_kernel[(triton.cdiv(n, plan.block_n),)](
         x.contiguous(), weight, scale if fp8 else weight, bias if bias is not None else weight,
         norm[0] if norm is not None else weight, residual.contiguous() if residual is not None else out, out,
         n, k, weight.stride(0), scale.stride(0) if fp8 else 0, norm[1] if norm is not None else 0.0,
-        PROLOGUE=SILU_MUL if silu_mul else (RMS_NORM if norm is not None else NO_PROLOGUE),
+        PROLOGUE=prologue,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, REDUCE=plan.reduce, STAGES=plan.num_stages,
-        L2_PREFETCH=plan.l2_prefetch and x.is_cuda, LINE=min(plan.block_k, 128 // weight.element_size()),
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, STAGES=plan.num_stages,
         num_warps=plan.num_warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
