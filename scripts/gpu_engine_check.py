@@ -1052,12 +1052,13 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
     fp8 = layers[0]["qkv"][1] is not None
     kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
              "down": dict(silu=True, residual=True)}  # fmt: skip
-    # (rows per program, K tile, warps, FP8 pipeline stages, fused prologue)
+    # (rows per program, K tile, warps, pipeline stages, fused prologue)
     settings = (
         [(8, 1024, 4, 3, False), (8, 512, 4, 3, False), (4, 1024, 4, 3, False), (8, 1024, 4, 4, False),
          (16, 1024, 8, 3, False), (8, 1024, 4, 3, True)]
         if fp8 else
-        [(8, 1024, 4, 1, True), (16, 512, 4, 1, True), (4, 1024, 4, 1, True), (8, 1024, 4, 1, False)]
+        [(8, 1024, 4, 1, True), (16, 512, 4, 1, True), (4, 1024, 4, 1, True), (8, 1024, 4, 1, False),
+         (16, 512, 4, 1, False)]
     )  # fmt: skip
     for kind, how in kinds.items():
         n, k = dims[kind]

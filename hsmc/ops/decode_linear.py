@@ -42,14 +42,14 @@ NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
 @dataclass(frozen=True)
 class DecodeLinearPlan:
     """Weight rows per program, K tile and launch settings of one problem. `num_stages` is the depth of
-    Triton's load pipeline (FP8 weights; dense weights load the next tile into registers instead).
-    `fuse_prologue` False runs the norm / SiLU·mul as its own PDL-chained kernel, so the matmul's programs
-    do not repeat it for every tile."""
+    Triton's load pipeline: 3 for FP8 weights; 1 for dense weights, which load the next tile into registers
+    themselves. `fuse_prologue` False runs the norm / SiLU·mul as its own PDL-chained kernel, so the
+    matmul's programs do not repeat it for every tile."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
     fuse_prologue: bool = True
 
 
@@ -62,7 +62,8 @@ def plan_decode_linear(n: int, k: int, scale_block_k: int | None, prologue: int)
     K tiles of 512 for matrices under 64 Mi entries."""
     if scale_block_k is not None:
         block_k = 512 if n * k < 64 * 2**20 else 1024
-        return DecodeLinearPlan(8, max(scale_block_k, block_k // scale_block_k * scale_block_k), fuse_prologue=False)
+        block_k = max(scale_block_k, block_k // scale_block_k * scale_block_k)
+        return DecodeLinearPlan(8, block_k, num_stages=3, fuse_prologue=False)
     if prologue == RMS_NORM:
         return DecodeLinearPlan(16, 512) if n <= 8192 else DecodeLinearPlan(8, 1024, fuse_prologue=False)
     return DecodeLinearPlan(8, 1024)
@@ -89,6 +90,15 @@ def _input_tile(x_ptr, cols, ok, K, inv, norm_ptr, PROLOGUE: tl.constexpr, dtype
 
 
 @triton.jit
+def _fp8_tile(acc, w, x, s_row, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
+    """acc + one FP8 tile's products: each scale block summed, then scaled (K tiles start on a block)."""
+    blocks: tl.constexpr = BLOCK_K // SCALE_K
+    per_block = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, blocks, SCALE_K)), axis=2)
+    b = k0 // SCALE_K + tl.arange(0, blocks)
+    return acc + tl.sum(per_block * tl.load(s_row + b, mask=b * SCALE_K < K, other=0.0)[None, :], axis=1)
+
+
+@triton.jit
 def _decode_linear_kernel(
     x_ptr,
     w_ptr,
@@ -110,7 +120,6 @@ def _decode_linear_kernel(
     SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -119,8 +128,8 @@ def _decode_linear_kernel(
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    if not FP8:  # weights are never written during a forward: the first tile loads before the wait
-        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+    # weights are never written during a forward: the first tile loads before the wait
+    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -133,20 +142,17 @@ def _decode_linear_kernel(
             squares += x * x
         inv = tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
-    if FP8:  # each scale block of a tile summed, scaled, accumulated; Triton pipelines the tiles
-        blocks: tl.constexpr = BLOCK_K // SCALE_K  # K tiles start on a scale block
+    if FP8:  # each scale block of a tile summed, scaled, accumulated; Triton pipelines the later tiles
         s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn  # a program's rows share one scale row
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x = _input_tile(x_ptr, rk, rk < K, K, inv, norm_ptr, PROLOGUE, dtype)
+        y = _fp8_tile(tl.zeros([BLOCK_N], dtype=tl.float32), w, x, s_row, 0, K, BLOCK_N, BLOCK_K, SCALE_K)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             cols = k0 + rk
             w = tl.load(
                 w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first"
             )
             x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
-            per_block = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, blocks, SCALE_K)), axis=2)
-            b = k0 // SCALE_K + tl.arange(0, blocks)
-            acc += tl.sum(per_block * tl.load(s_row + b, mask=b * SCALE_K < K, other=0.0)[None, :], axis=1)
-        y = acc
+            y = _fp8_tile(y, w, x, s_row, k0, K, BLOCK_N, BLOCK_K, SCALE_K)
     else:  # products summed elementwise, reduced once; the next tile loads while this one is multiplied
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -203,7 +209,7 @@ def decode_linear(
         n, k, weight.stride(0), scale.stride(0) if fp8 else 0, norm[1] if norm is not None else 0.0,
         PROLOGUE=prologue,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, STAGES=plan.num_stages,
-        num_warps=plan.num_warps, **pdl_launch(x.device),
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out

@@ -206,16 +206,27 @@ class AttentionPlan:
 def plan_attention(
     rows: int, tokens: int, max_context: int, num_heads: int, num_kv_heads: int, sm_count: int
 ) -> AttentionPlan:
-    """Query tiles of >= 16 rows (tensor-core dots), key blocks of 128, and context splits when the rows are
-    long enough to pay for the combine kernel (measured on an H200: one split up to 512 keys, then about
-    one per 256 keys while the GPU has SMs to spare; scripts/gpu_engine_check.py --sections attnvar)."""
+    """Query tiles of >= 16 rows (tensor-core dots) and context splits while the GPU has SMs to spare.
+
+    Measured on an H200 inside the Qwen3-8B one-row forward (`scripts/gpu_engine_check.py --sections
+    decodeattn`), where attention sits on the chain of dependent kernels: a decode row's latency is its
+    longest split, so it splits into about 64 keys (blocks of 64) up to 512 keys, ~256 keys (blocks of 128)
+    beyond; 8 splits at 260 keys took 0.16 ms less per forward than one. Rows of several query blocks
+    (verify, prefill) split only past 512 keys (standalone `--sections attnvar`)."""
     group = num_heads // num_kv_heads
-    block_t = max(1, 16 // group) if tokens * group <= 16 else min(triton.next_power_of_2(tokens), max(1, 64 // group))
+    one_block = tokens * group <= 16
+    block_t = max(1, 16 // group) if one_block else min(triton.next_power_of_2(tokens), max(1, 64 // group))
     block_m = max(16, triton.next_power_of_2(block_t * group))
     programs = rows * num_kv_heads * triton.cdiv(tokens, block_t)
     by_occupancy = triton.next_power_of_2(max(1, triton.cdiv(2 * sm_count, programs)))
-    by_context = 1 if max_context <= 512 else triton.next_power_of_2(triton.cdiv(max_context, 256))
-    return AttentionPlan(block_t, block_m, min(16, by_occupancy, by_context), block_n=128, num_warps=4)
+    if one_block:
+        keys_per_split = 64 if max_context <= 512 else 256
+        by_context = triton.next_power_of_2(triton.cdiv(max_context, keys_per_split))
+    else:
+        keys_per_split = 256
+        by_context = 1 if max_context <= 512 else triton.next_power_of_2(triton.cdiv(max_context, 256))
+    block_n = 64 if keys_per_split <= 64 else 128
+    return AttentionPlan(block_t, block_m, min(16, by_occupancy, by_context), block_n=block_n, num_warps=4)
 
 
 def paged_attention(
