@@ -55,18 +55,19 @@ class DecodeLinearPlan:
 
 def plan_decode_linear(n: int, k: int, scale_block_k: int | None, prologue: int) -> DecodeLinearPlan:
     """Settings measured on an H200 over the Qwen3-8B / 32B Linears (`scripts/gpu_engine_check.py --sections
-    linears` sweeps them, chained as a forward chains them): 8 rows x 1024 columns per program; 16 x 512
-    for a normed Linear of up to 8192 rows (q/k/v); a normed wider one (gate/up, the LM head) reads faster
-    after a separate norm kernel. FP8 weights always take the separate kernel (the prologue would be
-    repeated per tile in a kernel that is short of instructions, not bandwidth) and pipeline 3 tiles;
-    K tiles of 512 for matrices under 64 Mi entries."""
+    linears` sweeps them, chained as a forward chains them): 8 rows x 1024 columns per program; the norm
+    fused into a Linear of up to 8192 rows (q/k/v: 16 x 512, 7 % faster than after a norm kernel), a
+    separate kernel before wider ones (gate/up, the LM head) and before down (SiLU·mul fused into down
+    read at 3.1-3.9 TB/s depending on the kernel's code around it, after a SiLU kernel at 3.7-3.8).
+    FP8 weights always take the separate kernel (the prologue would be repeated per tile in a kernel that
+    is short of instructions, not bandwidth), pipeline 3 tiles, K tiles of 512 below 64 Mi entries."""
     if scale_block_k is not None:
         block_k = 512 if n * k < 64 * 2**20 else 1024
         block_k = max(scale_block_k, block_k // scale_block_k * scale_block_k)
         return DecodeLinearPlan(8, block_k, num_stages=3, fuse_prologue=False)
-    if prologue == RMS_NORM:
-        return DecodeLinearPlan(16, 512) if n <= 8192 else DecodeLinearPlan(8, 1024, fuse_prologue=False)
-    return DecodeLinearPlan(8, 1024)
+    if prologue == RMS_NORM and n <= 8192:
+        return DecodeLinearPlan(16, 512)
+    return DecodeLinearPlan(8, 1024, fuse_prologue=prologue == NO_PROLOGUE)
 
 
 @triton.jit
@@ -128,8 +129,8 @@ def _decode_linear_kernel(
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    # weights are never written during a forward: the first tile loads before the wait
-    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+    if not FP8:  # weights are never written during a forward: the first tile loads before the wait
+        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -142,11 +143,11 @@ def _decode_linear_kernel(
             squares += x * x
         inv = tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
-    if FP8:  # each scale block of a tile summed, scaled, accumulated; Triton pipelines the later tiles
+    if FP8:  # each scale block of a tile summed, scaled, accumulated; Triton pipelines the tiles (measured:
+        # loading the first tile before the wait, as dense weights do, slowed FP8 down)
         s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn  # a program's rows share one scale row
-        x = _input_tile(x_ptr, rk, rk < K, K, inv, norm_ptr, PROLOGUE, dtype)
-        y = _fp8_tile(tl.zeros([BLOCK_N], dtype=tl.float32), w, x, s_row, 0, K, BLOCK_N, BLOCK_K, SCALE_K)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        y = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
             cols = k0 + rk
             w = tl.load(
                 w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first"

@@ -210,11 +210,12 @@ def plan_attention(
 
     Measured on an H200 inside the Qwen3-8B one-row forward (`scripts/gpu_engine_check.py --sections
     decodeattn`), where attention sits on the chain of dependent kernels: a decode row's latency is its
-    longest split, so it splits into about 64 keys (blocks of 64) up to 512 keys, ~256 keys (blocks of 128)
-    beyond; 8 splits at 260 keys took 0.16 ms less per forward than one. Rows of several query blocks
-    (verify, prefill) split only past 512 keys (standalone `--sections attnvar`)."""
+    longest split, so while programs are few it splits into about 64 keys (blocks of 64) up to 512 keys,
+    ~256 keys (blocks of 128) beyond; 8 splits at 260 keys took 0.16 ms less per forward than one. With more
+    programs (16 rows) and for rows of several query blocks (verify, prefill) it splits only past 512 keys
+    (standalone `--sections attnvar`; at 16 rows the finer split cost 4 % of decode speed)."""
     group = num_heads // num_kv_heads
-    one_block = tokens * group <= 16
+    one_block = tokens * group <= 16 and rows * num_kv_heads <= sm_count // 2
     block_t = max(1, 16 // group) if one_block else min(triton.next_power_of_2(tokens), max(1, 64 // group))
     block_m = max(16, triton.next_power_of_2(block_t * group))
     programs = rows * num_kv_heads * triton.cdiv(tokens, block_t)
