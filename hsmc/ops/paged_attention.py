@@ -215,12 +215,12 @@ def plan_attention(
     programs (16 rows) and for rows of several query blocks (verify, prefill) it splits only past 512 keys
     (standalone `--sections attnvar`; at 16 rows the finer split cost 4 % of decode speed)."""
     group = num_heads // num_kv_heads
-    one_block = tokens * group <= 16 and rows * num_kv_heads <= sm_count // 2
+    one_block = tokens * group <= 16  # a row's queries fill one tile
     block_t = max(1, 16 // group) if one_block else min(triton.next_power_of_2(tokens), max(1, 64 // group))
     block_m = max(16, triton.next_power_of_2(block_t * group))
     programs = rows * num_kv_heads * triton.cdiv(tokens, block_t)
     by_occupancy = triton.next_power_of_2(max(1, triton.cdiv(2 * sm_count, programs)))
-    if one_block:
+    if one_block and rows * num_kv_heads <= sm_count // 2:  # few programs: latency decides
         keys_per_split = 64 if max_context <= 512 else 256
         by_context = triton.next_power_of_2(triton.cdiv(max_context, keys_per_split))
     else:
