@@ -34,6 +34,11 @@ fp8stack the headline stack's shapes (FP8 32B + FP8 8B + an EAGLE3 head of the r
          a few SMC cycles; torch.cuda.max_memory_allocated (an H100's 80 GB emulated on a larger GPU).
 fp8rss   a random 32B-shape FP8 checkpoint (~34 GB, 4 GB shards) written to a temp folder and streamed onto
          the GPU in a fresh process: peak CPU RSS growth vs the largest shard.
+linears  the decoder-layer Linears of qwen3-8b (bf16) and qwen3-32b / qwen3-8b (FP8) at one row, all layers chained
+         in one CUDA graph: the separate norm / SiLU / add kernels around cuBLAS against the fused one-row
+         kernels with and without programmatic dependent launch, and a sweep of tile settings per Linear.
+decodeattn the whole qwen3-8b one-row forward (graph replay) with the attention plan forced to each split / key
+         block / warps setting, at 260 and 2000 keys.
 `--device cpu --tiny` runs the fp8 sections at small shapes on the CPU (a dry run; the suite does it).
 Results are printed and written to DIR (results.json, summary.txt).
 """
@@ -524,16 +529,22 @@ def check_verify() -> None:
     results["verify"]["gate_up_sweep"] = sweep
 
 
+def one_row_runner_8b(slots: int) -> tuple[ModelRunner, BlockTables, torch.Tensor, torch.Tensor]:
+    """A Qwen3-8B-shaped runner (random bf16, Triton, CUDA graphs) for one row; (runner, tables, rows, one)."""
+    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
+    tables = BlockTables(SlotAllocator(slots, "cuda"), 1, slots)
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    rows = torch.zeros(1, dtype=torch.int64, device="cuda")
+    return runner, tables, rows, torch.ones(1, dtype=torch.int64, device="cuda")
+
+
 def check_profile() -> None:
     say("== one 8B decode step, by kernel (torch.profiler, graph replay) ==")
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
-    model = random_model(cfg, torch.bfloat16, "cuda")
-    tables = BlockTables(SlotAllocator(4096, "cuda"), 1, 4096)
-    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
-    rows = torch.zeros(1, dtype=torch.int64, device="cuda")
-    one = torch.ones(1, dtype=torch.int64, device="cuda")
+    runner, tables, rows, one = one_row_runner_8b(4096)
+    model = runner.module
     with torch.inference_mode():
         runner.forward(runner.new_tokens(rows, torch.randint(0, 1000, (1, 200), device="cuda"), one * 200, 200), True)
         for _ in range(3):
@@ -1007,41 +1018,44 @@ def graph_ms(fn) -> float:
 
 
 def check_linears() -> None:
-    """Whole-model chains of the decoder Linears at one row: separate kernels around cuBLAS (bf16; the FP8
-    rows time the fused kernel without its prologue/epilogue instead: the old one-row kernel is gone) against
-    the fused decode Linears with and without PDL (same weights, one graph each); then tile settings per
-    Linear."""
-    from hsmc.ops import pdl
-
+    """Whole-model chains of the decoder Linears at one row, then tile settings per Linear."""
     bandwidth = copy_bandwidth(DEVICE)
     say(f"linears: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     out = results.setdefault("linears", {"bandwidth": bandwidth})
     for shape, fp8 in (("qwen3-8b", False), ("qwen3-32b", True), ("qwen3-8b", True)):
-        layers, dims = layer_linears_of(shape, fp8)
-        nbytes = sum(w[0].numel() * w[0].element_size() + (0 if w[1] is None else w[1].numel() * 4)
-                     for layer in layers for name, w in layer.items() if name in dims)  # fmt: skip
-        tag = f"{shape} {'fp8' if fp8 else 'bf16'}"
-        x = torch.randn(1, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
-        ref = linear_chain(layers[:2], dims, x, fused=False)
-        got = linear_chain(layers[:2], dims, x, fused=True)
-        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        times = {"fused+pdl": graph_ms(lambda: linear_chain(layers, dims, x, fused=True))}
-        original = pdl.pdl_supported
-        pdl.pdl_supported = lambda device: False
-        try:
-            times["fused"] = graph_ms(lambda: linear_chain(layers, dims, x, fused=True))
-            if not fp8:
-                times["separate"] = graph_ms(lambda: linear_chain(layers, dims, x, fused=False))
-        finally:
-            pdl.pdl_supported = original
-        floor = nbytes / bandwidth * 1e3
-        cells = ", ".join(f"{k} {v:.3f} ms ({floor / v:.0%})" for k, v in times.items())
-        say(f"  {tag} M=1: weight read {floor:.3f} ms; {cells}; 2-layer rel err vs separate {err:.1e}")
-        out[f"{tag} M=1"] = {"floor_ms": floor, **times, "rel_err": err}
-        sweep_linears(layers, dims, tag, bandwidth, out)
-        del layers
+        time_linear_chain(shape, fp8, bandwidth, out)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def time_linear_chain(shape: str, fp8: bool, bandwidth: float, out: dict) -> None:
+    """All layers' Linears of `shape` chained in one graph: the fused one-row kernels with and without PDL, and
+    (bf16) the separate norm / SiLU / add kernels around cuBLAS; the first two layers' outputs compared with
+    the separate path (FP8: the tensor-core FP8 GEMM)."""
+    from hsmc.ops import pdl
+
+    layers, dims = layer_linears_of(shape, fp8)
+    nbytes = sum(w[0].numel() * w[0].element_size() + (0 if w[1] is None else w[1].numel() * 4)
+                 for layer in layers for name, w in layer.items() if name in dims)  # fmt: skip
+    tag = f"{shape} {'fp8' if fp8 else 'bf16'}"
+    x = torch.randn(1, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
+    ref = linear_chain(layers[:2], dims, x, fused=False)
+    got = linear_chain(layers[:2], dims, x, fused=True)
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    times = {"fused+pdl": graph_ms(lambda: linear_chain(layers, dims, x, fused=True))}
+    original = pdl.pdl_supported
+    pdl.pdl_supported = lambda device: False
+    try:
+        times["fused"] = graph_ms(lambda: linear_chain(layers, dims, x, fused=True))
+        if not fp8:
+            times["separate"] = graph_ms(lambda: linear_chain(layers, dims, x, fused=False))
+    finally:
+        pdl.pdl_supported = original
+    floor = nbytes / bandwidth * 1e3
+    cells = ", ".join(f"{k} {v:.3f} ms ({floor / v:.0%})" for k, v in times.items())
+    say(f"  {tag} M=1: weight read {floor:.3f} ms; {cells}; 2-layer rel err vs separate {err:.1e}")
+    out[f"{tag} M=1"] = {"floor_ms": floor, **times, "rel_err": err}
+    sweep_linears(layers, dims, tag, bandwidth, out)
 
 
 def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, out: dict) -> None:
@@ -1072,16 +1086,19 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
             def chain(plan=plan):
                 for layer in layers:
                     w, s = layer[kind]
-                    decode_linear(x, w, scale=s, scale_block=QWEN_BLOCK, plan=plan,
-                                  norm=(layer["norm1"], 1e-6) if how.get("norm") else None,
-                                  silu_mul=bool(how.get("silu")), residual=res if how.get("residual") else None)  # fmt: skip
+                    norm = (layer["norm1"], 1e-6) if how.get("norm") else None
+                    residual = res if how.get("residual") else None
+                    decode_linear(x, w, scale=s, scale_block=QWEN_BLOCK, plan=plan, norm=norm,
+                                  silu_mul=bool(how.get("silu")), residual=residual)  # fmt: skip
 
             ms = graph_ms(chain)
             rows.append((*setting, ms, nbytes / ms / 1e9))
         best = min(rows, key=lambda r: r[-2])
-        say(f"  sweep {tag} {kind} [{n}x{k}] x{len(layers)}: best {best[:-2]}: {best[-2]:.3f} ms = {best[-1]:.2f} TB/s "
-            f"({best[-1] * 1e12 / bandwidth:.0%} of copy); " + " ".join(f"{r[:-2]}:{r[-1]:.2f}" for r in rows))  # fmt: skip
+        say(f"  sweep {tag} {kind} [{n}x{k}] x{len(layers)}: best {best[:-2]}: {best[-2]:.3f} ms = "
+            f"{best[-1]:.2f} TB/s ({best[-1] * 1e12 / bandwidth:.0%} of copy); "
+            + " ".join(f"{r[:-2]}:{r[-1]:.2f}" for r in rows))  # fmt: skip
         out[f"sweep {tag} {kind}"] = rows
+
 
 def check_decode_attention() -> None:
     """The whole Qwen3-8B one-row decode forward (graph replay, PDL chain) with the attention plan forced to
@@ -1091,12 +1108,7 @@ def check_decode_attention() -> None:
     from hsmc.ops.paged_attention import AttentionPlan
 
     say("== decode attention plans inside the 8B one-row forward ==")
-    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
-    model = random_model(cfg, torch.bfloat16, "cuda")
-    tables = BlockTables(SlotAllocator(8192, "cuda"), 1, 8192)
-    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
-    rows = torch.zeros(1, dtype=torch.int64, device="cuda")
-    one = torch.ones(1, dtype=torch.int64, device="cuda")
+    runner, tables, rows, one = one_row_runner_8b(8192)
     planner = triton_backend.plan_attention
     out = {}
     try:
@@ -1119,8 +1131,9 @@ def check_decode_attention() -> None:
                                        for _ in range(50)]) / 50  # fmt: skip
                 timings["planner" if plan is None else f"{plan.splits}x{plan.block_n}/{plan.num_warps}w"] = t * 1e3
             best = min(timings, key=timings.get)
-            say(f"context {context}: planner {timings['planner']:.3f} ms per forward; best {best} {timings[best]:.3f} ms; "
-                + " ".join(f"{k}:{v:.3f}" for k, v in timings.items()))  # fmt: skip
+            cells = " ".join(f"{k}:{v:.3f}" for k, v in timings.items())
+            planned = timings["planner"]
+            say(f"context {context}: planner {planned:.3f} ms per forward; best {best} {timings[best]:.3f} ms; {cells}")
             out[context] = timings
     finally:
         triton_backend.plan_attention = planner

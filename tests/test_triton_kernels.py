@@ -21,9 +21,9 @@ from hsmc.models.decoder import RMSNorm  # noqa: E402
 from hsmc.models.loading import load_model  # noqa: E402
 from hsmc.ops import fused  # noqa: E402
 from hsmc.ops.backend import HeadLayout, Rope, TorchBackend, rms_norm_reference  # noqa: E402
+from hsmc.ops.batch import ForwardBatch, padded_columns  # noqa: E402
 from hsmc.ops.decode_linear import DecodeLinearPlan, decode_linear  # noqa: E402
 from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
-from hsmc.ops.batch import ForwardBatch, padded_columns  # noqa: E402
 from hsmc.ops.kv_cache import KVCache  # noqa: E402
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
 from hsmc.ops.triton_backend import TritonBackend  # noqa: E402

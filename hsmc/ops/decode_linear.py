@@ -130,7 +130,9 @@ def _decode_linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     if not FP8:  # weights are never written during a forward: the first tile loads before the wait
-        w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+        w = tl.load(
+            w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first"
+        )
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -150,7 +152,10 @@ def _decode_linear_kernel(
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + rk
             w = tl.load(
-                w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first"
+                w_rows + cols[None, :],
+                mask=n_ok[:, None] & (cols < K)[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
             )
             x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
             y = _fp8_tile(y, w, x, s_row, k0, K, BLOCK_N, BLOCK_K, SCALE_K)

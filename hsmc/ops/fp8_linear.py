@@ -7,8 +7,8 @@ config.json says so under `quantization_config` (`quant_method: fp8`, `weight_bl
 by reading weights, and halving their bytes is what speeds it up.
 
 On CUDA, one row runs `decode_linear.py`'s kernel and up to `TRITON_MAX_ROWS` rows the Triton GEMM of
-`fp8_gemm.py` (both dequantizing in the kernel); more rows dequantize the matrix and call cuBLAS. On the CPU the reference dequantizes and
-multiplies: it is the oracle the kernel is checked against.
+`fp8_gemm.py` (both dequantizing in the kernel); more rows dequantize the matrix and call cuBLAS. On the
+CPU the reference dequantizes and multiplies: it is the oracle the kernel is checked against.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from torch import nn
 
 from hsmc.ops import fused
 from hsmc.ops.backend import HeadLayout, RMSNormWeight, Rope
+from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.decode_linear import decode_linear
 from hsmc.ops.fp8_linear import Fp8Linear, fp8_linear
-from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
 
