@@ -1,7 +1,8 @@
 """Fused Triton kernels for the memory-bound steps around attention, one kernel each instead of the
 5-10 small kernels the torch reference launches per step (a decode step of a 36-layer model would
-otherwise spend more time launching elementwise kernels than reading weights). A one-row forward runs
-RMSNorm and SiLU·mul inside its Linears (`decode_linear.py`); these serve the forwards of more rows.
+otherwise spend more time launching elementwise kernels than reading weights). A one-row forward fuses
+the norm into q/k/v (`decode_linear.py`) and runs these, chained by programmatic dependent launch, before
+its other Linears; forwards of more rows run them before cuBLAS or the FP8 GEMM.
 
 Each kernel reproduces the reference's rounding: values are computed in fp32 and rounded to the
 activation dtype exactly where `TorchBackend` rounds (after normalizing, after scaling by the weight,
