@@ -91,6 +91,14 @@ def _input_tile(x_ptr, cols, ok, K, inv, norm_ptr, PROLOGUE: tl.constexpr, dtype
 
 
 @triton.jit
+def _weight_tile(w_rows, n_ok, cols, K):
+    """Columns `cols` of the program's weight rows (zeros past N and K); each byte is read once: evict first."""
+    return tl.load(
+        w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first"
+    )
+
+
+@triton.jit
 def _fp8_tile(acc, w, x, s_row, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
     """acc + one FP8 tile's products: each scale block summed, then scaled (K tiles start on a block)."""
     blocks: tl.constexpr = BLOCK_K // SCALE_K
@@ -130,9 +138,7 @@ def _decode_linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     if not FP8:  # weights are never written during a forward: the first tile loads before the wait
-        w = tl.load(
-            w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first"
-        )
+        w = _weight_tile(w_rows, n_ok, rk, K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -151,25 +157,14 @@ def _decode_linear_kernel(
         y = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + rk
-            w = tl.load(
-                w_rows + cols[None, :],
-                mask=n_ok[:, None] & (cols < K)[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            w = _weight_tile(w_rows, n_ok, cols, K)
             x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
             y = _fp8_tile(y, w, x, s_row, k0, K, BLOCK_N, BLOCK_K, SCALE_K)
     else:  # products summed elementwise, reduced once; the next tile loads while this one is multiplied
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + rk
-            next_cols = cols + BLOCK_K
-            w_next = tl.load(
-                w_rows + next_cols[None, :],
-                mask=n_ok[:, None] & (next_cols < K)[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            w_next = _weight_tile(w_rows, n_ok, cols + BLOCK_K, K)
             acc += w.to(tl.float32) * _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)[None, :]
             w = w_next
         y = tl.sum(acc, 1)
