@@ -1,7 +1,8 @@
 """`HierarchicalDecoder`: the Python entry point, built from a config.
 
-It loads the level stack, admits prompts in waves that fit the KV pools, and drives the top
-level: an `smc` top decodes groups of N particles per prompt; any other top steps all rows at once.
+It loads the level stack and drives the top level with continuous batching: prompts join free rows
+between steps as the KV pools allow (`Admission`), finished ones leave. An `smc` top decodes groups of
+N particles per prompt; any other top steps all active rows at once.
 Both drivers hand out each request's output as it settles; `stream()` passes it on as increments
 and `generate()` collects the results.
 """
@@ -20,14 +21,14 @@ from omegaconf import DictConfig
 
 from hsmc.config import GenerationConfig, HsmcConfig, level_label, load_config, validate
 from hsmc.engine.host_io import PendingRead, upload
-from hsmc.engine.scheduler import plan_waves
+from hsmc.engine.scheduler import Admission
 from hsmc.errors import ConfigError, ModelLoadError
 from hsmc.levels.smc import GroupResult
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
 from hsmc.preflight import check_stop_strings, prompt_token_ids
 from hsmc.stopping import StopCriteria
-from hsmc.streaming import TextStream, WaveEvent
+from hsmc.streaming import RequestEvent, TextStream
 
 
 @dataclass
@@ -142,7 +143,7 @@ class HierarchicalDecoder:
         for level in self.stack.levels:
             level.reset_stats()
         engine = self.config.engine
-        waves = plan_waves(
+        admission = Admission(
             [len(i) for i in ids],
             gen.max_new_tokens,
             engine.max_batch_rows,
@@ -151,27 +152,25 @@ class HierarchicalDecoder:
             self.stack.lookahead,
         )
         start = time.perf_counter()
-        for wave in waves:
-            wave_ids = [ids[i] for i in wave]
-            if self.stack.is_smc:
-                events = self.stack.top.run(wave_ids, gen.max_new_tokens, stop)
-            else:
-                events = self._stream_wave(wave_ids, gen.max_new_tokens, stop)
-            tokens: list[list[int]] = [[] for _ in wave]
-            texts = [TextStream(self.tokenizer, stop) for _ in wave]
-            for event in events:
-                j = event.index
-                tokens[j] += event.tokens
-                if event.finish_reason is None:
-                    yield Increment(wave[j], event.tokens, texts[j].update(tokens[j]))
-                    continue
-                text = texts[j].finish(tokens[j])
-                seconds = time.perf_counter() - start
-                stats = {"new_tokens": len(tokens[j]), "seconds": seconds, "tokens_per_s": len(tokens[j]) / seconds}
-                result = Result(texts[j].emitted, tokens[j], event.finish_reason, stats)
-                if event.smc is not None:
-                    result.smc = self._smc_outcome(event.smc, texts[j])
-                yield Increment(wave[j], event.tokens, text, result)
+        if self.stack.is_smc:
+            events = self.stack.top.run(ids, admission, gen.max_new_tokens, stop)
+        else:
+            events = self._stream_rows(ids, admission, gen.max_new_tokens, stop)
+        tokens: list[list[int]] = [[] for _ in ids]
+        texts = [TextStream(self.tokenizer, stop) for _ in ids]
+        for event in events:
+            j = event.index
+            tokens[j] += event.tokens
+            if event.finish_reason is None:
+                yield Increment(j, event.tokens, texts[j].update(tokens[j]))
+                continue
+            text = texts[j].finish(tokens[j])
+            seconds = time.perf_counter() - start
+            stats = {"new_tokens": len(tokens[j]), "seconds": seconds, "tokens_per_s": len(tokens[j]) / seconds}
+            result = Result(texts[j].emitted, tokens[j], event.finish_reason, stats)
+            if event.smc is not None:
+                result.smc = self._smc_outcome(event.smc, texts[j])
+            yield Increment(j, event.tokens, text, result)
 
     @staticmethod
     def _smc_outcome(group: GroupResult, text: TextStream) -> SMCOutcome:
@@ -181,63 +180,74 @@ class HierarchicalDecoder:
         ]
         return SMCOutcome(particles, group.chosen, group.log_z, group.resamplings)
 
-    def _stream_wave(self, prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria) -> Iterator[WaveEvent]:
-        """Decode rows from a non-SMC top level: each step runs one round for every unfinished row and hands
-        over all the tokens it produced. The host reads a step's tokens (one copy) while the next step
-        already runs, so stop checks overlap with the GPU; a row that finished is released one step later
-        and the tokens of its extra step are dropped."""
+    def _stream_rows(
+        self, prompts: list[list[int]], admission: Admission, max_new_tokens: int, stop: StopCriteria
+    ) -> Iterator[RequestEvent]:
+        """Decode rows from a non-SMC top level: each step runs one round for every active row and hands over
+        all the tokens it produced; between steps, waiting prompts are prefilled into free rows (continuous
+        batching). The host reads a step's tokens (one copy) while the next step already runs, so stop checks
+        overlap with the GPU; a finished row is released one step later and its extra step's tokens dropped."""
         top = self.stack.top
         device = top.state.seq.device
-        rows = upload(torch.arange(len(prompts)), device)
-        top.load_prompts(rows, prompts)
-        top.set_len_bound(max(len(p) for p in prompts))
-        generated: list[list[int]] = [[] for _ in prompts]
-        finished = [False] * len(prompts)
-        lengths = [len(p) for p in prompts]  # each row's sequence length on the device, as far as read
-        active = list(range(len(prompts)))
+        generated: dict[int, list[int]] = {}
+        lengths: dict[int, int] = {}  # each active prompt's sequence length on the device, as far as read
+        row_of: dict[int, int] = {}  # active prompt -> its row
         in_flight: tuple[list[int], PendingRead] | None = None
         try:
-            top.prefill(rows)
-            while active or in_flight:
+            while admission.busy or in_flight:
+                if admitted := admission.admit():
+                    if not row_of:  # no row holds anything: bounds left by earlier rows must not widen forwards
+                        top.set_len_bound(0)
+                    new_rows = upload(torch.tensor([row for _, row in admitted]), device)
+                    top.load_prompts(new_rows, [prompts[i] for i, _ in admitted])
+                    # rows already decoding may be one step further than read
+                    bound = max((lengths[i] + top.step_growth for i in row_of), default=0)
+                    for i, row in admitted:
+                        row_of[i], generated[i], lengths[i] = row, [], len(prompts[i])
+                    top.set_len_bound(max(bound, *(len(prompts[i]) for i, _ in admitted)))
+                    top.prefill(new_rows)
                 launched = None
-                if active:
-                    emission = top.step(rows)
-                    launched = (active, PendingRead(torch.cat([emission.tokens, emission.count[:, None]], 1)))
+                if row_of:
+                    stepped = list(row_of)
+                    emission = top.step(upload(torch.tensor([row_of[i] for i in stepped]), device))
+                    launched = (stepped, PendingRead(torch.cat([emission.tokens, emission.count[:, None]], 1)))
                 if in_flight is not None:
-                    events = self._take_step(*in_flight, generated, finished, lengths, max_new_tokens, stop)
-                    done = {e.index for e in events if e.finish_reason is not None}
+                    events = self._take_step(*in_flight, generated, lengths, max_new_tokens, stop)
+                    done = [e.index for e in events if e.finish_reason is not None]
                     if done:
-                        active = [i for i in active if i not in done]
-                        top.release(upload(torch.tensor(sorted(done)), device))
-                        rows = upload(torch.tensor(active, dtype=torch.int64), device)
-                    if active:
-                        top.set_len_bound(max(lengths[i] for i in active) + top.step_growth)
+                        top.release(upload(torch.tensor([row_of.pop(i) for i in done]), device))
+                        for i in done:
+                            admission.finish(i)
+                    if row_of:
+                        top.set_len_bound(max(lengths[i] for i in row_of) + top.step_growth)
                     yield from events
                 in_flight = launched
         finally:
-            top.release(upload(torch.arange(len(prompts)), device))
+            if row_of:
+                top.release(upload(torch.tensor(list(row_of.values())), device))
 
     @staticmethod
     def _take_step(
         stepped: list[int],
         read: PendingRead,
-        generated: list[list[int]],
-        finished: list[bool],
-        lengths: list[int],
+        generated: dict[int, list[int]],
+        lengths: dict[int, int],
         max_new_tokens: int,
         stop: StopCriteria,
-    ) -> list[WaveEvent]:
-        """Apply one step's tokens (row j of the read belongs to prompt stepped[j])."""
+    ) -> list[RequestEvent]:
+        """Apply one step's tokens (row j of the read belongs to prompt stepped[j]; a prompt no longer in
+        `lengths` finished at an earlier step and this was its extra step)."""
         events = []
         for i, values in zip(stepped, read.result()):
-            if finished[i]:
-                continue  # finished by an earlier step; this is its extra step
+            if i not in lengths:
+                continue
             count = values[-1]
             lengths[i] += count
             before = len(generated[i])
             reason = stop.append(generated[i], values[:count], max_new_tokens)
-            finished[i] = reason is not None
-            events.append(WaveEvent(i, generated[i][before:], reason))
+            if reason is not None:
+                del lengths[i]
+            events.append(RequestEvent(i, generated[i][before:], reason))
         return events
 
     def _levels_using(self, source: str | None) -> str:

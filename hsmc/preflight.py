@@ -3,7 +3,7 @@ then fails in a second instead of after minutes of loading (a 32B model takes mi
 
 Each level's `config.json` is read (for a hub id, without downloading its weights), the headers of
 local weight files are read (a truncated file fails here, named), the prompts are tokenized with
-the tokenizer the stack will use, and the admission waves are planned from the config's sizes (with
+the tokenizer the stack will use, and each prompt is checked to fit the KV pools on its own (with
 `engine.kv_capacity_tokens: auto`, from the memory free now less the weights the configs describe).
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from hsmc.config import GenerationConfig, HsmcConfig, LevelConfig, level_label
 from hsmc.engine.kv_sizing import GIB, free_memory, stack_capacity
-from hsmc.engine.scheduler import plan_waves, rows_and_lookahead
+from hsmc.engine.scheduler import check_prompts_fit, rows_and_lookahead
 from hsmc.errors import ConfigError, ModelLoadError, PromptError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
@@ -53,7 +53,7 @@ def check_before_loading(cfg: HsmcConfig, prompts: Sequence[Prompt]) -> list[lis
     ids = prompt_token_ids(tokenizer, prompts, cfg.generation.chat_template)
     rows, lookahead = rows_and_lookahead(cfg)
     engine = cfg.engine
-    plan_waves(
+    check_prompts_fit(
         [len(p) for p in ids],
         cfg.generation.max_new_tokens,
         engine.max_batch_rows,

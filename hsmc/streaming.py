@@ -1,6 +1,6 @@
 """What a decoding driver hands out while it runs, and how token increments become text increments.
 
-A driver (the streaming loop of a model/rejection top, or an SMC level) yields `WaveEvent`s: tokens
+A driver (the streaming loop of a model/rejection top, or an SMC level) yields `RequestEvent`s: tokens
 of one request that can no longer change, and on the request's last event its finish reason. For
 an SMC top those tokens are the *consensus prefix*: the longest prefix shared by all N particles of
 the request. Every particle at the end descends from one of the current particles (resampling
@@ -21,8 +21,8 @@ from hsmc.stopping import StopCriteria
 
 
 @dataclass
-class WaveEvent:
-    index: int  # the request (prompt, or SMC group) within its wave
+class RequestEvent:
+    index: int  # the request: its prompt's index
     tokens: list[int]  # final tokens since the request's previous event
     finish_reason: str | None = None  # "stop" or "length" on the request's last event
     smc: Any | None = None  # an smc top's GroupResult, on the last event

@@ -37,6 +37,11 @@ fp8rss   a random 32B-shape FP8 checkpoint (~34 GB, 4 GB shards) written to a te
 linears  the decoder-layer Linears of qwen3-8b (bf16) and qwen3-32b / qwen3-8b (FP8) at one row, all layers chained
          in one CUDA graph: the separate norm / SiLU / add kernels around cuBLAS against the fused one-row
          kernels with and without programmatic dependent launch, and a sweep of tile settings per Linear.
+fewlinears the qwen3-8b and qwen3-32b decoder-layer Linears (bf16) at 1, 2, 4, 8 and 16 rows, all layers chained in
+         one CUDA graph: the few-row kernels' rounding against the torch reference, a sweep of their tile settings
+         per Linear (and the 8B LM head) at 8 rows, the whole chain on the current path (one row: the one-row
+         kernels; more: the few-row kernels) against norm / SiLU kernels + cuBLAS and against the sweep's best
+         settings, and the whole 8B forward at 1..16 rows with the few-row kernels and with cuBLAS.
 decodeattn the whole qwen3-8b one-row forward (graph replay) with the attention plan forced to each split / key
          block / warps setting, at 260 and 2000 keys.
 `--device cpu --tiny` runs the fp8 sections at small shapes on the CPU (a dry run; the suite does it).
@@ -248,9 +253,10 @@ def synced_generate(decoder: HierarchicalDecoder, prompts, new_tokens: int, **ge
 
 def greedy_cuda_vs_cpu(config: dict, prompts, new_tokens: int, **generation) -> tuple[bool, int, list[str]]:
     """Greedy tokens on CUDA (Triton + graphs; after a warm-up, under the sync debug mode) vs the CPU oracle."""
-    cpu = HierarchicalDecoder.from_config({**config, "engine": {"kv_capacity_tokens": 2048}})
+    engine = {**config.get("engine", {}), "kv_capacity_tokens": 2048}
+    cpu = HierarchicalDecoder.from_config({**config, "engine": engine})
     want = [r.token_ids for r in cpu.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **generation)]
-    cuda = HierarchicalDecoder.from_config({**config, "engine": {"device": "cuda", "kv_capacity_tokens": 2048}})
+    cuda = HierarchicalDecoder.from_config({**config, "engine": {**engine, "device": "cuda"}})
     cuda.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **generation)  # warm-up: captures graphs
     results, syncs = synced_generate(cuda, prompts, new_tokens, **generation)
     same = sum(r.token_ids == b for r, b in zip(results, want))
@@ -293,7 +299,9 @@ def check_tiny() -> None:
         out[arch] = {"logit_err": err, "greedy_equal": same, "syncs": syncs}
         say(f"tiny {arch}: ragged batch through graphs max|logit diff| vs transformers-CPU {err:.2e}; "
             f"greedy CUDA == CPU {n}/{len(prompts)}; synchronizing ops in generate(): {syncs or 'none'}")  # fmt: skip
-    for name, cfg in tiny_stack_configs(root).items():
+    stacks = tiny_stack_configs(root)
+    stacks["rejection-two-at-a-time"] = {**stacks["rejection"], "engine": {"max_batch_rows": 2}}  # the others join
+    for name, cfg in stacks.items():
         prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
         same, n, syncs = greedy_cuda_vs_cpu(cfg, prompts, 24)
         out[name] = {"greedy_equal": same, "syncs": syncs}
@@ -337,11 +345,14 @@ def check_smc_sync() -> None:
     prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
     out = {}
     greedy, sampled = smc_stacks(root / "greedy", 1e-4), smc_stacks(root / "sampled", 1.0)
-    cases = [(name, name, []) for name in greedy] + [("model-smc-stop-string", "model-smc", ["bb"])]
-    for label, name, stop in cases:
+    cases = [(name, name, [], {}) for name in greedy] + [("model-smc-stop-string", "model-smc", ["bb"], {})]
+    # rows for two of the four requests: the others join as rows free (continuous batching)
+    two = {"max_batch_rows": 8}
+    cases += [(f"{name}-two-at-a-time", name, [], two) for name in ("model-smc", "eagle3-rejection-smc")]
+    for label, name, stop, rows in cases:
         try:
-            same, n, syncs = greedy_cuda_vs_cpu(greedy[name], prompts, 24, stop=stop)
-            engine = {"device": "cuda", "kv_capacity_tokens": 2048}
+            same, n, syncs = greedy_cuda_vs_cpu({**greedy[name], "engine": rows}, prompts, 24, stop=stop)
+            engine = {"device": "cuda", "kv_capacity_tokens": 2048, **rows}
             cuda = HierarchicalDecoder.from_config({**sampled[name], "engine": engine})
             runs = [cuda.generate(prompts, max_new_tokens=24, ignore_eos=True, stop=stop, seed=7) for _ in range(2)]
             repeat = [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
@@ -1100,6 +1111,209 @@ def sweep_linears(layers: list[dict], dims: dict, tag: str, bandwidth: float, ou
         out[f"sweep {tag} {kind}"] = rows
 
 
+def few_row_chain(layers: list[dict], dims: dict, x: torch.Tensor, path: str, plans: dict | None = None):
+    """A decoder's Linears at a few rows without attention (o reads the first columns of qkv): `cublas` (norm /
+    SiLU kernels, then cuBLAS with the residual as its beta term, the path before the few-row kernels) or `few`
+    (norm / SiLU kernels, then the few-row kernels, with `plans` per Linear kind or the planner's)."""
+    import torch.nn.functional as F
+
+    from hsmc.ops import fused as fk
+    from hsmc.ops.few_row_linear import few_row_linear
+
+    plans = plans or {}
+    q = dims["o"][1]
+    stream = x
+    for layer in layers:
+        if path == "cublas":
+            qkv = F.linear(fk.rms_norm(stream, layer["norm1"], 1e-6), layer["qkv"][0])
+            stream = torch.addmm(stream, qkv[:, :q], layer["o"][0].t())
+            gu = F.linear(fk.rms_norm(stream, layer["norm2"], 1e-6), layer["gate_up"][0])
+            stream = torch.addmm(stream, fk.silu_mul(gu), layer["down"][0].t())
+        else:
+            qkv = few_row_linear(stream, layer["qkv"][0], norm=(layer["norm1"], 1e-6), plan=plans.get("qkv"))
+            stream = few_row_linear(qkv[:, :q], layer["o"][0], residual=stream, plan=plans.get("o"))
+            gu = few_row_linear(stream, layer["gate_up"][0], norm=(layer["norm2"], 1e-6), plan=plans.get("gate_up"))
+            stream = few_row_linear(gu, layer["down"][0], silu_mul=True, residual=stream, plan=plans.get("down"))
+    return stream
+
+
+def check_few_linears() -> None:
+    """The 8B and 32B decoder Linears (bf16) at 1..16 rows, all layers chained in one graph: per Linear kind, a
+    sweep of the few-row kernel's settings at 8 rows; then the whole chain on the current path (one row: the
+    fused one-row kernels; more: the few-row kernels) against the path before them (norm / SiLU kernels +
+    cuBLAS) and the sweep's best settings; the kernels' rounding against the torch reference; and the whole
+    8B forward at 1..16 rows with the few-row kernels and with cuBLAS."""
+    bandwidth = copy_bandwidth(DEVICE)
+    say(f"fewlinears: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    out = results.setdefault("fewlinears", {"bandwidth": bandwidth})
+    for shape in ("qwen3-8b", "qwen3-32b"):
+        time_few_row_chains(shape, bandwidth, out)
+        gc.collect()
+        torch.cuda.empty_cache()
+    few_row_forwards_8b(out)
+
+
+def time_few_row_chains(shape: str, bandwidth: float, out: dict) -> None:
+    """All layers' Linears of `shape` (bf16) chained in one graph per row count; the first two layers' outputs
+    of the current path compared with cuBLAS's."""
+    layers, dims = layer_linears_of(shape, False)
+    nbytes = sum(layer[name][0].numel() * 2 for layer in layers for name in dims)
+    floor = nbytes / bandwidth * 1e3
+    if shape == "qwen3-8b":
+        few_row_rounding(layers[0], dims, out)
+    best = sweep_few_linears(layers, dims, shape, bandwidth, out)
+    for m in (1, 2, 4, 8, 16):
+        x = torch.randn(m, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
+
+        def current(layers=layers, x=x, m=m):
+            return linear_chain(layers, dims, x, fused=True) if m == 1 else few_row_chain(layers, dims, x, "few")
+
+        ref = few_row_chain(layers[:2], dims, x, "cublas").float()
+        err = ((current(layers[:2]).float() - ref).norm() / ref.norm()).item()
+        times = {"cublas": graph_ms(lambda: few_row_chain(layers, dims, x, "cublas")), "current": graph_ms(current),
+                 "best": graph_ms(lambda: few_row_chain(layers, dims, x, "few", best))}  # fmt: skip
+        cells = ", ".join(f"{k} {v:.3f} ms ({floor / v:.1%})" for k, v in times.items())
+        say(f"  {shape} bf16 M={m}: weight read {floor:.3f} ms; {cells}; current/cublas "
+            f"{times['current'] / times['cublas']:.3f}; 2-layer rel err current vs cublas {err:.1e}")  # fmt: skip
+        out[f"{shape} M={m}"] = {"floor_ms": floor, **times, "rel_err": err}
+
+
+def few_row_rounding(layer: dict, dims: dict, out: dict) -> None:
+    """Each Linear step of one layer through the few-row kernel vs the torch reference (`TorchBackend`'s ops)
+    in bf16: the largest difference in bf16 ulps at the value's scale, and the share of bit-equal outputs."""
+    import torch.nn.functional as F
+
+    from hsmc.ops.backend import rms_norm_reference
+    from hsmc.ops.few_row_linear import FewRowPlan, few_row_linear
+
+    q = dims["o"][1]
+    eps = torch.finfo(torch.bfloat16).eps
+    for m in (2, 8, 16):
+        stream = torch.randn(m, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
+        gu = torch.randn(m, dims["gate_up"][0], device=DEVICE, dtype=torch.bfloat16)
+        qkv_in = torch.randn(m, dims["qkv"][0], device=DEVICE, dtype=torch.bfloat16)
+        gate, up = gu.chunk(2, -1)
+        cases = {
+            "qkv": (lambda p: few_row_linear(stream, layer["qkv"][0], norm=(layer["norm1"], 1e-6), plan=p),
+                    F.linear(rms_norm_reference(stream, layer["norm1"], 1e-6), layer["qkv"][0])),
+            "o": (lambda p: few_row_linear(qkv_in[:, :q], layer["o"][0], residual=stream, plan=p),
+                  stream + F.linear(qkv_in[:, :q], layer["o"][0])),
+            "down": (lambda p: few_row_linear(gu, layer["down"][0], silu_mul=True, residual=stream, plan=p),
+                     stream + F.linear(F.silu(gate) * up, layer["down"][0])),
+        }  # fmt: skip
+        for name, (run, want) in cases.items():
+            for tag, plan in (("planned", None), ("split", FewRowPlan(32, 128, 4))):
+                got = run(plan).float()
+                ulps = ((got - want.float()).abs() / (want.float().abs().clamp_min(1) * eps)).max().item()
+                same = (got == want.float()).float().mean().item()
+                say(f"  rounding M={m} {name} {tag}: max {ulps:.2f} ulp, {same:.1%} bit-equal to the reference")
+                out[f"rounding M={m} {name} {tag}"] = {"max_ulp": ulps, "equal": same}
+
+
+def sweep_few_linears(layers: list[dict], dims: dict, shape: str, bandwidth: float, out: dict) -> dict:
+    """Per Linear kind (and the LM head, four times, for the 8B), all layers' instances chained (PDL) at 8 rows,
+    over the few-row kernel's settings, the planner's and cuBLAS's (after the norm / SiLU kernel, as the path
+    before ran it); returns the best plan per kind."""
+    import torch.nn.functional as F
+
+    from hsmc.ops import fused as fk
+    from hsmc.ops.few_row_linear import FewRowPlan, few_row_linear, plan_few_row_linear
+
+    kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
+             "down": dict(silu=True, residual=True)}  # fmt: skip
+    weights = {kind: [layer[kind][0] for layer in layers] for kind in kinds}
+    if shape == "qwen3-8b":
+        kinds["lm_head"] = dict(norm=True)
+        lm_head = torch.randn(shape_config(shape).vocab_size, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
+        weights["lm_head"] = [lm_head / 64] * 4
+    # (weight rows per program, K tile, K splits, warps, stages)
+    settings = [(32, 256, 1, 2, 3), (32, 256, 1, 2, 5), (32, 256, 1, 1, 4), (16, 256, 1, 1, 4), (16, 256, 1, 2, 4),
+                (32, 512, 1, 2, 3), (32, 128, 1, 2, 6), (64, 128, 1, 2, 4), (64, 256, 1, 4, 4), (32, 256, 1, 4, 4),
+                (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 3, 4, 4), (32, 256, 2, 2, 4)]  # fmt: skip
+    m = 8
+    norm = layers[0]["norm1"]
+    best = {}
+    for kind, how in kinds.items():
+        n, k = weights[kind][0].shape
+        x = torch.randn(m, 2 * k if how.get("silu") else k, device=DEVICE, dtype=torch.bfloat16)
+        res = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+        nbytes = sum(w.numel() * 2 for w in weights[kind])
+
+        def cublas():
+            for w in weights[kind]:
+                if how.get("norm"):
+                    F.linear(fk.rms_norm(x, norm, 1e-6), w)
+                else:
+                    torch.addmm(res, fk.silu_mul(x) if how.get("silu") else x, w.t())
+
+        rows = [("cublas", graph_ms(cublas))]
+        planned = plan_few_row_linear(n, k, DEVICE)
+        for setting in [planned] + [FewRowPlan(*s) for s in settings]:
+
+            def chain(plan=setting):
+                for w in weights[kind]:
+                    few_row_linear(x, w, plan=plan, norm=(norm, 1e-6) if how.get("norm") else None,
+                                   silu_mul=bool(how.get("silu")),
+                                   residual=res if how.get("residual") else None)  # fmt: skip
+
+            try:  # a setting that does not compile (shared memory, layouts) is a sweep result, not a failure
+                rows.append((setting, graph_ms(chain)))
+            except Exception as e:
+                say(f"  sweep {shape} {kind} {setting}: {type(e).__name__}: {str(e)[:200]}")
+        rows = [(setting, ms, nbytes / ms / 1e9) for setting, ms in rows]
+        best[kind] = min(rows[1:], key=lambda r: r[1])
+        label = lambda p: f"{p.block_n}/{p.block_k}/{p.split_k}/{p.num_warps}/{p.num_stages}"  # noqa: E731
+        say(f"  sweep {shape} M={m} {kind} [{n}x{k}] x{len(weights[kind])}: cublas {rows[0][1]:.3f} ms = "
+            f"{rows[0][2]:.2f} TB/s ({rows[0][2] * 1e12 / bandwidth:.0%}); planned {label(rows[1][0])}: "
+            f"{rows[1][2]:.2f} TB/s ({rows[1][2] * 1e12 / bandwidth:.0%}); best {label(best[kind][0])}: "
+            f"{best[kind][1]:.3f} ms = {best[kind][2]:.2f} TB/s ({best[kind][2] * 1e12 / bandwidth:.0%} of copy); "
+            + " ".join(f"{label(r[0])}:{r[2]:.2f}" for r in rows[2:]))  # fmt: skip
+        out[f"sweep {shape} M={m} {kind}"] = [(str(r[0]), r[1], r[2]) for r in rows]
+    return {kind: row[0] for kind, row in best.items()}
+
+
+def few_row_forwards_8b(out: dict) -> None:
+    """The whole Qwen3-8B forward (graph replay, 260 keys per row) at 1..16 rows, the dense Linears through the
+    few-row kernels (the backend's route) and through cuBLAS (the route patched off)."""
+    import hsmc.ops.triton_backend as triton_backend
+    from hsmc.engine.cuda_graphs import CUDAGraphs
+
+    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
+    context, width = 260, 300
+    tables = BlockTables(SlotAllocator(16 * width, "cuda"), 16, width)
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    floor = weight_bytes(model) / copy_bandwidth(DEVICE) * 1e3
+    route = triton_backend._few_rows
+    try:
+        for m in (1, 2, 4, 8, 16):
+            rows = torch.arange(m, device="cuda")
+            one = torch.ones(m, dtype=torch.int64, device="cuda")
+            with torch.inference_mode():
+                tables.release(rows, width)
+                prompt = torch.randint(0, 1000, (m, context), device="cuda")
+                runner.forward(runner.new_tokens(rows, prompt, one * context, context), True)
+            times = {}
+            for name in ("cublas", "few"):
+                triton_backend._few_rows = route if name == "few" else (lambda x, linear: False)
+                runner.graphs = CUDAGraphs(runner)
+                tokens = torch.randint(0, 1000, (m, 1), device="cuda")
+                back = torch.full_like(rows, context)
+                with torch.inference_mode():
+                    step = lambda: runner.forward(runner.new_tokens(rows, tokens, one, context + 1), True)  # noqa: E731
+                    step()
+                    tables.truncate(rows, back, 1)
+                    times[name] = (
+                        timed(lambda: [(step(), tables.truncate(rows, back, 1)) for _ in range(50)]) / 50 * 1e3
+                    )
+            ratio = times["few"] / times["cublas"]
+            say(f"  8B forward M={m} (graph, {context} keys): weight read {floor:.3f} ms; cublas "
+                f"{times['cublas']:.3f} ms, few {times['few']:.3f} ms; few/cublas {ratio:.3f}")  # fmt: skip
+            out[f"8B forward M={m}"] = {"floor_ms": floor, **times}
+    finally:
+        triton_backend._few_rows = route
+
+
 def check_decode_attention() -> None:
     """The whole Qwen3-8B one-row decode forward (graph replay, PDL chain) with the attention plan forced to
     each setting, at a short and a long context: where the planner's choice shows in the step time."""
@@ -1172,6 +1386,7 @@ def main() -> None:
         "fp8stack": check_fp8_stack,
         "fp8rss": check_fp8_rss,
         "linears": check_linears,
+        "fewlinears": check_few_linears,
         "decodeattn": check_decode_attention,
     }
     for name in sections:

@@ -91,3 +91,70 @@ def test_stop_strings_end_generation_and_trim_the_text(smollm2_dir, stack):
     assert result.finish_reason == "stop" and "Paris" not in result.text
     assert result.text == full.text[: full.text.index("Paris")]
     assert "Paris" in decoder.tokenizer.decode(result.token_ids)  # tokens run up to the one completing it
+
+
+@pytest.mark.parametrize("top", ["model", "rejection", "smc"])
+def test_continuous_batching_admits_a_prompt_as_soon_as_rows_free(tmp_path, top):
+    """Rows for two requests, three prompts; the first ends at its first token (the target's EOS is chosen to be
+    that token), so the third joins while the second decodes: the top level's forwards are those of one prompt
+    alone plus a few (one after another would be twice as many), every output equals the prompt decoded alone,
+    and the pools end empty. Near-zero temperatures make every level's draws argmaxes (SMC particles agree)."""
+    draft = make_tiny_model("llama", tmp_path / "draft", seed=3)
+    first = [5, 17, 33]
+    probe = _decoder(str(make_tiny_model("llama", tmp_path / "probe", seed=5)))
+    eos = probe.generate([first], max_new_tokens=1, ignore_eos=True)[0].token_ids[0]
+    target = str(make_tiny_model("llama", tmp_path / "target", seed=5, eos_token_id=eos))
+    levels = {
+        "model": [{"model": target, "temperature": 0.0}],
+        "rejection": [  # a self-draft: every draft is kept, so the drafter holds two unprocessed tokens per row
+            {"model": target, "temperature": 0.0},
+            {"kind": "rejection", "model": target, "temperature": 0.0, "num_draft_tokens": 3},
+        ],
+        "smc": [
+            {"model": str(draft), "temperature": 1e-4},
+            {"kind": "smc", "model": target, "temperature": 1e-4, "particles": 2, "block_size": 3},
+        ],
+    }[top]
+    rows_per_prompt = 2 if top == "smc" else 1
+
+    def run(prompts: list[list[int]], rows: int) -> tuple[list[list[int]], int]:
+        decoder = HierarchicalDecoder.from_config(
+            {"levels": levels, "engine": {"max_batch_rows": rows, "kv_capacity_tokens": 1024}}
+        )
+        results = decoder.generate(prompts, max_new_tokens=20)
+        assert_pools_empty(decoder)
+        return [r.token_ids for r in results], results[0].stats["levels"][-1]["forwards"]
+
+    second, third = [60, 85, 28, 90], [4, 56, 72]  # both run to the length limit: no EOS in their outputs
+    (alone_second,), forwards_second = run([second], 8)
+    (alone_third,), forwards_third = run([third], 8)
+    assert len(alone_second) == len(alone_third) == 20
+    outputs, forwards = run([first, second, third], 2 * rows_per_prompt)
+    assert outputs == [[eos], alone_second, alone_third]
+    assert forwards <= max(forwards_second, forwards_third) + 3 < forwards_second + forwards_third
+
+
+@pytest.mark.parametrize("top", ["rejection", "smc"])
+def test_a_second_call_runs_forwards_as_narrow_as_the_first(tmp_path, top, monkeypatch):
+    """Bounds left by the rows of an earlier call must not widen the next call's forwards (a wider first step
+    is wasted work, and on CUDA a new graph to capture): two identical calls run forwards of the same widths."""
+    from hsmc.levels.base import SequenceState
+
+    draft = str(make_tiny_model("llama", tmp_path / "draft", seed=3))
+    target = str(make_tiny_model("llama", tmp_path / "target", seed=5))
+    middle = {"rejection": {"kind": "rejection", "model": target, "num_draft_tokens": 3}}.get(top)
+    smc = {"kind": "smc", "model": target, "temperature": 1.0, "particles": 2, "block_size": 3}
+    levels = [{"model": draft, "temperature": 1.0}, middle or smc]
+    decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 1024}})
+    widths: list[tuple[int, int]] = []
+    forward = SequenceState.forward
+
+    def recording(state, rows, leave_last=False, last_only=False):
+        widths.append((id(state), state.prompt_bound or state.pending_bound))
+        return forward(state, rows, leave_last, last_only)
+
+    monkeypatch.setattr(SequenceState, "forward", recording)
+    decoder.generate([[5, 9, 13], [7] * 6], max_new_tokens=12, ignore_eos=True, seed=1)
+    first, widths[:] = list(widths), []
+    decoder.generate([[5, 9, 13], [7] * 6], max_new_tokens=12, ignore_eos=True, seed=1)
+    assert widths == first

@@ -130,17 +130,31 @@ def test_errors_on_misuse():
         alloc.dec_ref_and_free(slots[1:])
 
 
-def test_admission_waves_fit_the_pool():
-    from hsmc.engine.scheduler import plan_waves
+def test_admission_reserves_rows_and_slots_first_come_first_served():
+    from hsmc.engine.scheduler import Admission
 
-    # rows limit
-    assert plan_waves([3, 3, 3], 4, max_rows=2, capacity=64) == [[0, 1], [2]]
-    # end-of-generation need: 10+6 + 20+6 = 42 <= 45, adding 5+6 makes 53 > 45
-    assert plan_waves([10, 20, 5], 6, max_rows=8, capacity=45) == [[0, 1], [2]]
-    # padded prefill need: 3 rows x longest 30 = 90 > 80 although sum(prompt + new) = 30+2+2+3*1 = 37
-    assert plan_waves([30, 2, 2], 1, max_rows=8, capacity=80) == [[0, 1], [2]]
+    # rows: two row groups; a third prompt joins when one of them finishes
+    a = Admission([3, 3, 3], 4, max_rows=2, capacity=64)
+    assert a.admit() == [(0, 0), (1, 1)] and a.admit() == []
+    a.finish(1)
+    assert a.admit() == [(2, 1)]
+    a.finish(0), a.finish(2)
+    assert not a.busy and a.free_slots == 64
+    # slots for the whole request: 10+6 + 20+6 = 42 <= 45; 5+6 more would be 53
+    a = Admission([10, 20, 5], 6, max_rows=8, capacity=45)
+    assert a.admit() == [(0, 0), (1, 1)]
+    a.finish(0)
+    assert a.admit() == [(2, 0)]
+    # in order: prompt 1 (41 slots) does not fit beside prompt 0 (31) and holds back prompt 2 (3)
+    a = Admission([30, 40, 2], 1, max_rows=8, capacity=60)
+    assert a.admit() == [(0, 0)]
+    a.finish(0)
+    assert a.admit() == [(1, 0), (2, 1)]
+    # an SMC request takes N consecutive rows: 10 rows hold two groups of 4
+    a = Admission([3, 3, 3], 4, max_rows=10, capacity=200, rows_per_prompt=4)
+    assert a.admit() == [(0, 0), (1, 1)]
     with pytest.raises(KVCapacityError, match="prompt 1 has 50 tokens"):
-        plan_waves([3, 50], 20, max_rows=8, capacity=64)
+        Admission([3, 50], 20, max_rows=8, capacity=64)
 
 
 def test_generation_never_runs_out_of_slots_with_one_long_prompt(tmp_path):

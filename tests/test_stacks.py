@@ -154,6 +154,7 @@ def test_eagle3_head_directly_under_smc(small_family, tmp_path):
 def test_eagle3_head_under_smc_reads_the_targets_features(small_family, tmp_path):
     """After each smc cycle the head holds exactly the pairs (target feature, token) of the committed tokens: the
     same state a head reading the same model's features as a rejection verifier builds from scratch."""
+    from hsmc.engine.scheduler import Admission
     from hsmc.stopping import StopCriteria
 
     head, _ = published_layout(tmp_path / "head", dtype=torch.float32, sizes=(*SIZES, 6, 6), scale=0.5, seed=9)
@@ -167,7 +168,8 @@ def test_eagle3_head_under_smc_reads_the_targets_features(small_family, tmp_path
         {"levels": [{"kind": "eagle3", "model": str(head)}, {"kind": "rejection", "model": big}]}
     )
     f_eagle, f_rejection = fresh.stack.levels
-    events = top.run([[1, 4, 2], [3]], 30, StopCriteria(frozenset()))
+    admission = Admission([3, 1], 30, decoder.config.engine.max_batch_rows, decoder.stack.capacity)
+    events = top.run([[1, 4, 2], [3]], admission, 30, StopCriteria(frozenset()))
     for _ in range(4):  # one particle: every cycle settles tokens, so each event follows one cycle
         next(events)
         for row in (0, 1):

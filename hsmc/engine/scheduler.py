@@ -1,50 +1,83 @@
-"""Admission: which prompts decode together so that the rows and KV slots they may need fit."""
+"""Admission: when a prompt joins the running batch, so that the rows and KV slots it may need fit."""
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from collections.abc import Sequence
 
 from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.errors import KVCapacityError
 
 
-def plan_waves(
+def check_prompts_fit(
     prompt_lengths: Sequence[int],
     max_new_tokens: int,
     max_rows: int,
     capacity: int,
     rows_per_prompt: int = 1,
     lookahead: int = 0,
-) -> list[list[int]]:
-    """Group consecutive prompt indices into waves that fit `max_rows` rows and `capacity` slots.
-
-    A prompt's rows share its prompt KV (fan-out by refcount) and each may grow by
-    max_new_tokens + lookahead (tokens proposed past the end before they are rejected). The
-    padded prefill needs (prompts in the wave) x longest prompt slots for a moment. Raises
-    KVCapacityError naming the first prompt that could never fit on its own.
-    """
+) -> list[int]:
+    """The KV slots each prompt may need (its prompt, shared by its rows, plus each row's growth by
+    max_new_tokens + lookahead: tokens proposed past the end before they are rejected). Raises
+    KVCapacityError naming the first prompt that could never fit on its own, before any work starts."""
     grow = max_new_tokens + lookahead
-    waves: list[list[int]] = []
-    current: list[int] = []
-    total = longest = 0
+    needs = []
     for i, n in enumerate(prompt_lengths):
         need = n + rows_per_prompt * grow
-        if n + grow > capacity or need > capacity or rows_per_prompt > max_rows:
+        if need > capacity or rows_per_prompt > max_rows:
             raise KVCapacityError(
                 f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} (+{lookahead} lookahead) "
                 f"and {rows_per_prompt} row(s) it needs {need} KV slots and {rows_per_prompt} rows, more than "
                 f"engine.kv_capacity_tokens={capacity} / engine.max_batch_rows={max_rows}"
             )
-        grown_total, grown_longest = total + need, max(longest, n)
-        too_many_rows = (len(current) + 1) * rows_per_prompt > max_rows
-        if current and (too_many_rows or max(grown_total, (len(current) + 1) * grown_longest) > capacity):
-            waves.append(current)
-            current, grown_total, grown_longest = [], need, n
-        current.append(i)
-        total, longest = grown_total, grown_longest
-    if current:
-        waves.append(current)
-    return waves
+        needs.append(need)
+    return needs
+
+
+class Admission:
+    """Continuous batching: prompts wait in order and join the running batch between two steps (cycles)
+    as soon as a group of rows and the KV slots they may need are free; a finished request gives both back.
+
+    A prompt's group is `rows_per_prompt` consecutive rows (an SMC request's N particles); the lowest free
+    group is taken first, so the active rows stay few and dense. Slots are reserved for the whole request
+    (`check_prompts_fit`), so a running request never runs out. First come, first served: a prompt that does
+    not fit yet holds back those behind it, so none waits forever."""
+
+    def __init__(
+        self,
+        prompt_lengths: Sequence[int],
+        max_new_tokens: int,
+        max_rows: int,
+        capacity: int,
+        rows_per_prompt: int = 1,
+        lookahead: int = 0,
+    ) -> None:
+        self.needs = check_prompts_fit(prompt_lengths, max_new_tokens, max_rows, capacity, rows_per_prompt, lookahead)
+        self.waiting = deque(range(len(prompt_lengths)))
+        self.free_groups = list(range(max_rows // rows_per_prompt))
+        self.free_slots = capacity
+        self.group_of: dict[int, int] = {}  # admitted, unfinished prompt -> its row group
+
+    def admit(self) -> list[tuple[int, int]]:
+        """(prompt index, row group) of each waiting prompt that fits now, in order."""
+        admitted = []
+        while self.waiting and self.free_groups and self.needs[self.waiting[0]] <= self.free_slots:
+            index, group = self.waiting.popleft(), self.free_groups.pop(0)
+            self.free_slots -= self.needs[index]
+            self.group_of[index] = group
+            admitted.append((index, group))
+        return admitted
+
+    def finish(self, index: int) -> None:
+        """Prompt `index` is done: its rows and slots are free for the next ones."""
+        bisect.insort(self.free_groups, self.group_of.pop(index))
+        self.free_slots += self.needs[index]
+
+    @property
+    def busy(self) -> bool:
+        """Some prompt still waits or runs."""
+        return bool(self.waiting or self.group_of)
 
 
 def lookahead_tokens(levels: Sequence[LevelConfig]) -> int:

@@ -106,7 +106,8 @@ class Level(Protocol):
     def release(self, rows: torch.Tensor) -> None: ...
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None: ...
     def set_len_bound(self, bound: int) -> None:
-        """Every row of this level (and those below) is at most `bound` tokens long now."""
+        """Every row of this level (and those below) is at most `bound` tokens long now (0: no row holds
+        anything, e.g. before the first prompts are admitted, so no bound left by earlier rows widens a forward)."""
         ...
 
     def reset_stats(self) -> None: ...
@@ -171,7 +172,7 @@ class TokenRows:
         return torch.where(offsets[None, :] < count[:, None], self.seq[rows[:, None], cols], 0)
 
     def bound_lengths(self, bound: int) -> None:
-        """Every row is known to be at most `bound` tokens long (the driver read it, or a wave just started)."""
+        """Every row is known to be at most `bound` tokens long (the driver read it, or prompts were just loaded)."""
         self.len_bound = min(self.len_bound, bound)
 
     def copy_rows(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -190,6 +191,7 @@ class SequenceState(TokenRows):
         self.runner = runner
         self.timer = ForwardTimer(runner.device)
         self.pending_bound = 0
+        self.prompt_bound = 0  # longest prompt loaded since the last forward: that forward is their prefill
 
     @property
     def kv_len(self) -> torch.Tensor:
@@ -197,7 +199,7 @@ class SequenceState(TokenRows):
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         super().load_prompts(rows, prompts)
-        self.pending_bound = max(self.pending_bound, self.len_bound)
+        self.prompt_bound = max(self.prompt_bound, max(len(p) for p in prompts))
 
     def bound_lengths(self, bound: int) -> None:
         super().bound_lengths(bound)
@@ -215,13 +217,20 @@ class SequenceState(TokenRows):
 
     def forward(self, rows: torch.Tensor, leave_last: bool = False, last_only: bool = False) -> StepOutput:
         """Process each row's pending tokens (all but the last with `leave_last`); logits at every processed
-        position, or only at each row's last with `last_only`."""
+        position, or only at each row's last with `last_only`.
+
+        The forward after `load_prompts` is the prefill of those rows alone: it is as wide as their longest
+        prompt, and rows decoding beside them (continuous batching) keep their pending tokens and bound.
+        Any other forward covers every row that has pending tokens."""
         leave = 1 if leave_last else 0
         end = self.seq_len[rows] - leave
         start = self.kv_len[rows]
         count = (end - start).clamp_min(0)
-        width = self.pending_bound - leave
-        self.pending_bound = leave
+        if self.prompt_bound:
+            width, self.prompt_bound = self.prompt_bound - leave, 0
+            self.pending_bound = max(self.pending_bound, leave)
+        else:
+            width, self.pending_bound = self.pending_bound - leave, leave
         if width <= 0:  # e.g. prefilling one-token prompts: everything stays pending
             empty = torch.empty(len(rows), 0, 0, device=rows.device)
             return StepOutput(empty, count, start, None)

@@ -150,9 +150,11 @@ class RejectionLevel:
         self.drafter.release(rows)
 
     def set_len_bound(self, bound: int) -> None:
-        """`bound` holds for the level above; rows here may hold up to `ahead` tokens more (a block's surplus)."""
-        self.state.bound_lengths(bound + self.ahead)
-        self.drafter.set_len_bound(bound + self.ahead)
+        """`bound` holds for the level above; rows here may hold up to `ahead` tokens more (a block's surplus).
+        Bound 0: no row holds anything, so none holds tokens ahead either."""
+        ahead = self.ahead if bound else 0
+        self.state.bound_lengths(bound + ahead)
+        self.drafter.set_len_bound(bound + ahead)
 
     def reset_stats(self) -> None:
         self.state.timer.reset()

@@ -31,6 +31,7 @@ finished by the host gets its result from the next read (one more read after the
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -38,11 +39,12 @@ import torch
 
 from hsmc.engine.host_io import PendingRead, read_counters, upload
 from hsmc.engine.sampler import gumbel_noise, sample
+from hsmc.engine.scheduler import Admission
 from hsmc.levels.base import Level, SequenceState
 from hsmc.smc.resampling import resampling_plan, select_particle
 from hsmc.smc.weights import effective_sample_size, log_normalizer, weight_increments
 from hsmc.stopping import StopCriteria, output_ends
-from hsmc.streaming import WaveEvent, common_prefix_length
+from hsmc.streaming import RequestEvent, common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -79,14 +81,16 @@ class GroupResult:
 class _Group:
     """Host-side view of one request: its rows and each particle's tokens and state."""
 
-    def __init__(self, index: int, rows: list[int], length: int) -> None:
-        self.index = index  # the group's prompt within the wave
-        self.rows = rows
-        n = len(rows)
+    def __init__(self, index: int, slot: int, particles: int, length: int) -> None:
+        self.index = index  # the group's prompt
+        self.slot = slot  # its row group: rows slot*N .. slot*N+N-1
+        self.rows = [slot * particles + i for i in range(particles)]
+        n = particles
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.finished = [False] * n
         self.reasons = ["length"] * n
         self.length = length  # every particle's sequence length at the target, as far as read
+        self.unread = 0  # tokens the steps launched but not read yet may add to that length
         self.streamed = 0  # consensus tokens handed out so far
         self.resamplings = 0
         self.live = True  # some particle unfinished, as far as read
@@ -142,10 +146,10 @@ class SMCLevel:
         self.noise = torch.zeros(slots, dtype=torch.float64, device=device)  # Gumbel noise of the final selection
         self.finished = torch.zeros(slots, dtype=torch.bool, device=device)
         self.generated = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.stop_ids = torch.zeros(0, dtype=torch.int64, device=device)  # of the running wave:
+        self.stop_ids = torch.zeros(0, dtype=torch.int64, device=device)  # of the running `run`:
         self.max_new_tokens = 0
         self.device_ends = True  # no stop strings: the device finds the ends, the read overlaps the next cycle
-        self.wave_groups = 0
+        self.awaiting: list[_Group] = []  # finished by the host (stop strings): results come with the next read
         self.ess_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.cycles = self.group_cycles = self.resamples = self.deferred = 0
 
@@ -177,46 +181,71 @@ class SMCLevel:
     def _index(self, values: list[int]) -> torch.Tensor:
         return upload(torch.tensor(values, dtype=torch.int64), self.state.seq.device)
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int, stop: StopCriteria) -> Iterator[WaveEvent]:
-        """Decode one wave (prompt g uses rows g*N .. g*N+N-1), yielding each group's consensus tokens as
-        they settle and, when all its particles have finished, its result."""
-        n = self.params.particles
-        groups = [_Group(g, [g * n + i for i in range(n)], len(p)) for g, p in enumerate(prompts)]
-        self.stop_ids = self._index(sorted(stop.token_ids))
-        self.max_new_tokens, self.device_ends, self.wave_groups = max_new_tokens, not stop.strings, len(groups)
-        try:
-            pending: _Cycle | None = self._start(groups, prompts)
-            awaiting: list[_Group] = []  # finished by the host: their results come with the next read
-            while pending is not None:
-                launched = None
-                if self.device_ends and any(g.live for g in groups):
-                    launched = self._launch(groups)  # enqueued before this read is waited for
-                *values, record = pending.read.result()
-                yield from self._results(awaiting, record)
-                events, awaiting, kept, ends = self._settle(pending, values, stop)
-                yield from events
-                if self.device_ends:
-                    yield from self._results(awaiting, record)  # that record was taken after these ends
-                    awaiting = []
-                else:
-                    device = pending.rows.device
-                    self._weigh(pending, self._index(kept), upload(torch.tensor(ends, dtype=torch.bool), device))
-                    if awaiting or any(g.live for g in groups):
-                        launched = self._launch(groups)
-                pending = launched
-        finally:
-            self._release([r for g in groups for r in g.rows])
+    def run(
+        self, prompts: list[list[int]], admission: Admission, max_new_tokens: int, stop: StopCriteria
+    ) -> Iterator[RequestEvent]:
+        """Decode the prompts: each is admitted into a free row group (its N particles) between cycles and
+        decoded with the groups already running (continuous batching). Yields each group's consensus tokens
+        as they settle and, when all its particles have finished, its result.
 
-    def _start(self, groups: list[_Group], prompts: list[list[int]]) -> _Cycle:
-        """Prefill the prompts, fan them out to N particles each, and draw every particle's own x0: a step of
-        one token, launched like a cycle; the log-weights start at the x0 term."""
+        Without stop strings the device decides each cycle's ends, so the next cycle is launched before the
+        host reads this one (overlap). With stop strings every read is weighed before the next launch."""
+        self.stop_ids = self._index(sorted(stop.token_ids))
+        self.max_new_tokens, self.device_ends, self.awaiting = max_new_tokens, not stop.strings, []
+        groups: list[_Group] = []  # admitted, result not handed out yet
+        reads: deque[_Cycle] = deque()  # launched, not read yet, oldest first
+        try:
+            while True:
+                if admitted := admission.admit():
+                    if not groups:  # no row holds anything: bounds left by earlier rows must not widen forwards
+                        self.set_len_bound(0)
+                    new = [_Group(i, slot, self.params.particles, len(prompts[i])) for i, slot in admitted]
+                    groups += new
+                    reads.append(self._start(new, [prompts[i] for i, _ in admitted], groups))
+                launched = False
+                if not self.device_ends:  # the host decides the ends: each step is read and weighed first
+                    while reads:
+                        yield from self._take(reads.popleft(), stop, admission)
+                if self.awaiting or any(g.live for g in groups):
+                    reads.append(self._launch(groups))
+                    launched = self.device_ends  # runs on while the host reads the steps before it
+                if not reads:
+                    return
+                while len(reads) > launched:
+                    yield from self._take(reads.popleft(), stop, admission)
+                groups = [g for g in groups if not g.done]
+        finally:
+            self._release([r for g in groups if not g.done for r in g.rows])
+
+    def _take(self, step: _Cycle, stop: StopCriteria, admission: Admission) -> Iterator[RequestEvent]:
+        """Read a launched step: hand out the groups the host finished at the previous read (this record was
+        taken after their weighing), mirror the step on the host, and with stop strings weigh it."""
+        *values, record = step.read.result()
+        yield from self._results(self.awaiting, record, admission)
+        events, self.awaiting, kept, ends = self._settle(step, values, stop)
+        yield from events
+        if self.device_ends:
+            yield from self._results(self.awaiting, record, admission)  # that record was taken after these ends
+            self.awaiting = []
+        else:
+            device = step.rows.device
+            self._weigh(step, self._index(kept), upload(torch.tensor(ends, dtype=torch.bool), device))
+
+    def _bound_lengths(self, groups: list[_Group]) -> None:
+        """Tighten the length bound to what the groups holding rows may have reached (read + launched)."""
+        self.set_len_bound(max(g.length + g.unread for g in groups if not g.done))
+
+    def _start(self, groups: list[_Group], prompts: list[list[int]], running: list[_Group]) -> _Cycle:
+        """Prefill the new groups' prompts, fan them out to N particles each, and draw every particle's own x0:
+        a step of one token, launched like a cycle; the log-weights start at the x0 term. `running`: every
+        group holding rows, these included."""
         p = self.params
         n = p.particles
         first = self._index([g.rows[0] for g in groups])
         rows = self._index([r for g in groups for r in g.rows])
         self.state.load_prompts(first, prompts)
         self.proposal.load_prompts(first, prompts)
-        self.set_len_bound(max(len(q) for q in prompts))
+        self._bound_lengths(running)
         prefill = self.state.forward(first, last_only=True)
         logits = prefill.logits[:, 0].float()  # the target at the last prompt token
         features = prefill if self.proposal.feature_layers else None  # for an EAGLE3 head drafting directly
@@ -232,7 +261,7 @@ class SMCLevel:
         group_of_row = torch.arange(len(groups), device=rows.device).repeat_interleave(n)
         self.proposal.accept(rows, prompt_len, x0, features and features.take(group_of_row))
         self.logw[rows] = log_normalizer(logits, p.alpha, p.temperature).repeat_interleave(n)
-        self.log_z[: len(groups)] = 0.0
+        self.log_z.index_fill_(0, self._index([g.slot for g in groups]), 0.0)
         self.finished.index_fill_(0, rows, False)
         self.generated.index_fill_(0, rows, 0)
         if n > 1 and p.selection == "sample":
@@ -241,15 +270,18 @@ class SMCLevel:
         flags = torch.ones(3, len(groups), dtype=torch.bool, device=rows.device)
         flags[0] = False  # no group resampled
         go = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+        for g in groups:
+            g.unread += 1
         return self._read(_Cycle(groups, rows, identity, flags, go, x0[:, None]))
 
     def _launch(self, groups: list[_Group]) -> _Cycle:
         """Enqueue one cycle of the live groups and its read (no live group: only the read of the results,
         for groups the host has finished)."""
         live = [g for g in groups if g.live]
-        # each row still holding state is at most this long when the cycle starts (+ one cycle in flight)
-        self.set_len_bound(max(g.length for g in groups if not g.done) + self.params.block_size + 1)
+        self._bound_lengths(groups)
         rows = self._index([r for g in live for r in g.rows])
+        for g in live:
+            g.unread += self.params.block_size + 1
         if not live:
             n, empty = self.params.particles, torch.zeros(0, dtype=torch.int64, device=rows.device)
             flags = torch.zeros(3, 0, dtype=torch.bool, device=rows.device)
@@ -278,7 +310,7 @@ class SMCLevel:
             shape = (g,) if p.resampling == "systematic" else (g, n)
             uniforms = torch.rand(shape, generator=self.generator, device=rows.device, dtype=torch.float64)
             ancestors, resampled, ess = resampling_plan(logw, live, uniforms, p.ess_threshold, p.resampling)
-            group_index = self._index([grp.index for grp in groups])
+            group_index = self._index([grp.slot for grp in groups])
             closed = torch.logsumexp(logw, -1) - math.log(n)
             self.log_z.index_add_(0, group_index, torch.where(resampled, closed, 0.0))
             self.logw[rows] = torch.where(resampled[:, None], 0.0, logw).reshape(-1)
@@ -331,7 +363,8 @@ class SMCLevel:
 
     def _record(self) -> torch.Tensor:
         """Every group's would-be result [G, N+2]: the log-weights, log Ẑ so far and the chosen particle."""
-        n, g = self.params.particles, self.wave_groups
+        n = self.params.particles
+        g = (self.logw.shape[0] - 1) // n  # every row group (row max_rows is the scratch row)
         w = self.logw[: g * n].view(g, n)
         chosen = select_particle(w, self.params.selection, self.noise[: g * n].view(g, n))
         log_z = self.log_z[:g] + torch.logsumexp(w, -1) - math.log(n)
@@ -339,7 +372,7 @@ class SMCLevel:
 
     def _settle(
         self, step: _Cycle, values: list, stop: StopCriteria
-    ) -> tuple[list[WaveEvent], list[_Group], list[int], list[bool]]:
+    ) -> tuple[list[RequestEvent], list[_Group], list[int], list[bool]]:
         """Mirror a read step on the host: resample the groups' token lists, append the new tokens up to each
         particle's end. Returns the consensus events, the groups now finished, and each row's kept count and
         end (what the device is told with stop strings)."""
@@ -356,6 +389,7 @@ class SMCLevel:
                 self.group_cycles += 1
                 self.resamples += int(resampled[j])
                 self.deferred += int(not stepped[j])
+            g.unread -= len(tokens[j * n])
             if stepped[j]:
                 g.length += len(tokens[j * n])
             for i in range(n):
@@ -369,16 +403,18 @@ class SMCLevel:
                 g.live = False
                 finished.append(g)
             elif g.live and (new_tokens := g.consensus()):
-                events.append(WaveEvent(g.index, new_tokens))
+                events.append(RequestEvent(g.index, new_tokens))
         return events, finished, kept, ends
 
-    def _results(self, groups: list[_Group], record: list[list[float]]) -> Iterator[WaveEvent]:
-        """Hand out the results of finished groups from a record taken after their last weighing."""
+    def _results(self, groups: list[_Group], record: list[list[float]], admission: Admission) -> Iterator[RequestEvent]:
+        """Hand out the results of finished groups from a record taken after their last weighing; their rows
+        go back to the admission."""
         n = self.params.particles
-        for g in groups:
-            row = record[g.index]
-            g.done = True
-            result = GroupResult(g.tokens, g.reasons, row[:n], row[n], g.resamplings, int(row[n + 1]))
-            yield WaveEvent(g.index, result.token_ids[g.streamed :], result.finish_reason, result)
         if groups:
             self._release([r for g in groups for r in g.rows])
+        for g in groups:
+            row = record[g.slot]
+            g.done = True
+            admission.finish(g.index)
+            result = GroupResult(g.tokens, g.reasons, row[:n], row[n], g.resamplings, int(row[n + 1]))
+            yield RequestEvent(g.index, result.token_ids[g.streamed :], result.finish_reason, result)

@@ -20,9 +20,9 @@ FP8 weights (Qwen's layout, read as stored) move twice the elements per byte, so
 instructions rather than bandwidth: each scale block of a tile is summed, scaled and accumulated, and
 Triton pipelines the tiles through shared memory. Measured on an H200 (Qwen3-8B/32B Linears, all layers
 chained): 3.4-4.0 TB/s bf16, 3.1-4.0 TB/s FP8 (32B), against a 4.25 TB/s copy. More rows use tensor-core
-GEMMs (cuBLAS, `fp8_gemm`): a tensor-core version of this kernel measured 3x slower than cuBLAS at 8-16
-rows. Rounding follows the torch reference (`TorchBackend`): normalized values, SiLU and its product
-rounded where it rounds them, and the Linear's output rounded before the residual is added.
+kernels (`few_row_linear.py` for 2..16 rows of dense weights, cuBLAS, `fp8_gemm`): this kernel run over 8-16
+rows measured 3x slower than cuBLAS. Rounding follows the torch reference (`TorchBackend`): normalized values,
+SiLU and its product rounded where it rounds them, and the Linear's output rounded before the residual is added.
 """
 
 from __future__ import annotations

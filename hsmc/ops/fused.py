@@ -2,7 +2,8 @@
 5-10 small kernels the torch reference launches per step (a decode step of a 36-layer model would
 otherwise spend more time launching elementwise kernels than reading weights). A one-row forward fuses
 the norm into q/k/v (`decode_linear.py`) and runs these, chained by programmatic dependent launch, before
-its other Linears; forwards of more rows run them before cuBLAS or the FP8 GEMM.
+its other Linears; forwards of more rows run them before the few-row kernels (`few_row_linear.py`), cuBLAS
+or the FP8 GEMM.
 
 Each kernel reproduces the reference's rounding: values are computed in fp32 and rounded to the
 activation dtype exactly where `TorchBackend` rounds (after normalizing, after scaling by the weight,

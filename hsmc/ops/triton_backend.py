@@ -4,9 +4,10 @@ also runs on the CPU under `TRITON_INTERPRET=1`, which is how the suite checks i
 without a GPU.
 
 A Linear of one row (batch-1 decode) is one `decode_linear` kernel with its norm or SiLU·mul and its
-residual add inside, chained to the next kernel by programmatic dependent launch. More rows run a GEMM
-(cuBLAS with the residual as its `beta` term, or the FP8 GEMM with a residual epilogue) after a separate
-RMSNorm or SiLU·mul kernel (`fused.py`)."""
+residual add inside, chained to the next kernel by programmatic dependent launch. 2..16 rows of dense
+weights run `few_row_linear` (tensor cores, the residual add inside, PDL) after a separate RMSNorm or
+SiLU·mul kernel (`fused.py`); more rows, or FP8 weights, a GEMM (cuBLAS with the residual as its `beta`
+term, or the FP8 GEMM with a residual epilogue) after the same kernels."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hsmc.ops import fused
 from hsmc.ops.backend import HeadLayout, RMSNormWeight, Rope
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.decode_linear import decode_linear
+from hsmc.ops.few_row_linear import MAX_ROWS, few_row_linear
 from hsmc.ops.fp8_linear import Fp8Linear, fp8_linear
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
@@ -50,16 +52,22 @@ class TritonBackend:
     def linear(self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
         if _one_row(x, linear):
             return decode_linear(x, **_weights(linear), residual=residual)
+        if _few_rows(x, linear):
+            return few_row_linear(x, linear.weight, bias=linear.bias, residual=residual)
         return _matmul(x, linear, residual)
 
     def norm_linear(self, stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
         if _one_row(stream, linear):
             return decode_linear(stream, **_weights(linear), norm=(norm.weight, norm.eps))
+        if _few_rows(stream, linear):
+            return few_row_linear(stream, linear.weight, bias=linear.bias, norm=(norm.weight, norm.eps))
         return _matmul(fused.rms_norm(stream, norm.weight, norm.eps), linear, None)
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
         if _one_row(gate_up, linear):
             return decode_linear(gate_up, **_weights(linear), silu_mul=True, residual=residual)
+        if _few_rows(gate_up, linear):
+            return few_row_linear(gate_up, linear.weight, bias=linear.bias, silu_mul=True, residual=residual)
         return _matmul(fused.silu_mul(gate_up), linear, residual)
 
     def qkv_to_cache(
@@ -111,6 +119,11 @@ class TritonBackend:
 def _one_row(x: torch.Tensor, linear: nn.Module) -> bool:
     """One row goes through `decode_linear` (FP8 when its tiles fit the scale blocks, as Qwen's 128x128 do)."""
     return x.numel() == x.shape[-1] and (not isinstance(linear, Fp8Linear) or linear.block[0] % 8 == 0)
+
+
+def _few_rows(x: torch.Tensor, linear: nn.Module) -> bool:
+    """2..16 rows of dense weights go through `few_row_linear` (FP8 weights keep their GEMM)."""
+    return x.numel() <= MAX_ROWS * x.shape[-1] and not isinstance(linear, Fp8Linear)
 
 
 def _weights(linear: nn.Module) -> dict:
