@@ -199,12 +199,9 @@ class HierarchicalDecoder:
                     if not row_of:  # no row holds anything: bounds left by earlier rows must not widen forwards
                         top.set_len_bound(0)
                     new_rows = upload(torch.tensor([row for _, row in admitted]), device)
-                    top.load_prompts(new_rows, [prompts[i] for i, _ in admitted])
-                    # rows already decoding may be one step further than read
-                    bound = max((lengths[i] + top.step_growth for i in row_of), default=0)
+                    top.load_prompts(new_rows, [prompts[i] for i, _ in admitted])  # the bound covers them now
                     for i, row in admitted:
                         row_of[i], generated[i], lengths[i] = row, [], len(prompts[i])
-                    top.set_len_bound(max(bound, *(len(prompts[i]) for i, _ in admitted)))
                     top.prefill(new_rows)
                 launched = None
                 if row_of:
