@@ -58,6 +58,9 @@ class EngineConfig:
     kv_capacity_tokens: int | str | None = None
     attention: str | None = None  # kernel backend: torch | triton; default triton on cuda, torch elsewhere
     cuda_graphs: bool | None = None  # replay captured CUDA graphs for decode/verify forwards; default: on cuda
+    # FP8 models: quantize the input of a Linear over >= 2 rows per row and 128 columns (the checkpoints'
+    # activation_scheme: dynamic) and multiply on the FP8 tensor cores; faster verify/prefill, lossier
+    fp8_activations: bool = False
 
     @property
     def resolved_attention(self) -> str:

@@ -97,18 +97,20 @@ class HierarchicalDecoder:
         prompts: Sequence[str] | Sequence[Sequence[int]],
         on_finish: Callable[[int], None] | None = None,
         on_progress: Callable[[int], None] | None = None,
+        particles: int | Sequence[int] | None = None,
         **generation_overrides: Any,
     ) -> list[Result]:
         """Complete `prompts` (texts, chat-templated if configured, or token-id lists used as is).
 
         `on_finish(i)` runs when prompt i is done; `on_progress(n)` whenever a row has n generated
-        tokens (a progress signal for a single prompt). Ctrl-C raises `GenerationInterrupted`
-        carrying the prompts that had finished.
+        tokens (a progress signal for a single prompt). `particles` (an smc top): N for every prompt or
+        per prompt, instead of the level's; requests with different N decode in one batch. Ctrl-C raises
+        `GenerationInterrupted` carrying the prompts that had finished.
         """
         by_index: dict[int, Result] = {}
         start = time.perf_counter()
         try:
-            for increment in self.stream(prompts, on_progress, **generation_overrides):
+            for increment in self.stream(prompts, on_progress, particles, **generation_overrides):
                 if increment.result is not None:
                     by_index[increment.index] = increment.result
                     if on_finish:
@@ -130,12 +132,14 @@ class HierarchicalDecoder:
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         on_progress: Callable[[int], None] | None = None,
+        particles: int | Sequence[int] | None = None,
         **generation_overrides: Any,
     ) -> Iterator[Increment]:
         """Complete `prompts` like `generate`, yielding each request's output as it settles: for a model or
         rejection top the tokens it commits, for an smc top the consensus prefix of its particles."""
         gen = self._generation_config(generation_overrides)
         ids = prompt_token_ids(self.tokenizer, prompts, gen.chat_template)
+        counts = self._particles(particles, len(ids))
         check_stop_strings(gen, self.tokenizer)
         eos = frozenset() if gen.ignore_eos else frozenset(self.stack.eos_token_ids)
         stop = StopCriteria(eos, tuple(gen.stop), self.tokenizer, on_check=on_progress)
@@ -148,12 +152,12 @@ class HierarchicalDecoder:
             gen.max_new_tokens,
             engine.max_batch_rows,
             self.stack.capacity,
-            self.stack.rows_per_prompt,
+            counts,
             self.stack.lookahead,
         )
         start = time.perf_counter()
         if self.stack.is_smc:
-            events = self.stack.top.run(ids, admission, gen.max_new_tokens, stop)
+            events = self.stack.top.run(ids, admission, gen.max_new_tokens, stop, counts)
         else:
             events = self._stream_rows(ids, admission, gen.max_new_tokens, stop)
         tokens: list[list[int]] = [[] for _ in ids]
@@ -171,6 +175,17 @@ class HierarchicalDecoder:
             if event.smc is not None:
                 result.smc = self._smc_outcome(event.smc, texts[j])
             yield Increment(j, event.tokens, text, result)
+
+    def _particles(self, particles: int | Sequence[int] | None, prompts: int) -> list[int]:
+        """Rows per prompt: N per prompt for an smc top (`particles`, or the level's), else 1."""
+        if particles is None:
+            return [self.stack.rows_per_prompt] * prompts
+        if not self.stack.is_smc:
+            raise ConfigError(f"particles={particles!r}: only an smc top level has particles")
+        counts = [particles] * prompts if isinstance(particles, int) else list(particles)
+        if len(counts) != prompts or not all(isinstance(n, int) and n >= 1 for n in counts):
+            raise ConfigError(f"particles={particles!r}: one int >= 1, or one per prompt ({prompts})")
+        return counts
 
     @staticmethod
     def _smc_outcome(group: GroupResult, text: TextStream) -> SMCOutcome:

@@ -345,16 +345,19 @@ def check_smc_sync() -> None:
     prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
     out = {}
     greedy, sampled = smc_stacks(root / "greedy", 1e-4), smc_stacks(root / "sampled", 1.0)
-    cases = [(name, name, [], {}) for name in greedy] + [("model-smc-stop-string", "model-smc", ["bb"], {})]
+    cases = [(name, name, {}, {}) for name in greedy] + [("model-smc-stop-string", "model-smc", {"stop": ["bb"]}, {})]
     # rows for two of the four requests: the others join as rows free (continuous batching)
     two = {"max_batch_rows": 8}
-    cases += [(f"{name}-two-at-a-time", name, [], two) for name in ("model-smc", "eagle3-rejection-smc")]
-    for label, name, stop, rows in cases:
+    cases += [(f"{name}-two-at-a-time", name, {}, two) for name in ("model-smc", "eagle3-rejection-smc")]
+    # requests with different N in one batch (groups of the largest N's rows)
+    mixed = {"particles": [1, 4, 2, 3]}
+    cases += [(f"{name}-mixed-n", name, mixed, {}) for name in ("model-smc", "model-rejection-smc")]
+    for label, name, generation, rows in cases:
         try:
-            same, n, syncs = greedy_cuda_vs_cpu({**greedy[name], "engine": rows}, prompts, 24, stop=stop)
+            same, n, syncs = greedy_cuda_vs_cpu({**greedy[name], "engine": rows}, prompts, 24, **generation)
             engine = {"device": "cuda", "kv_capacity_tokens": 2048, **rows}
             cuda = HierarchicalDecoder.from_config({**sampled[name], "engine": engine})
-            runs = [cuda.generate(prompts, max_new_tokens=24, ignore_eos=True, stop=stop, seed=7) for _ in range(2)]
+            runs = [cuda.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7, **generation) for _ in range(2)]
             repeat = [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
             out[label] = {"near_greedy_equal": same, "syncs": syncs, "same_seed_equal": repeat}
             say(f"smc {label}: T=1e-4 CUDA == CPU {n}/{len(prompts)}; synchronizing ops: {syncs or 'none'}; "
@@ -840,27 +843,36 @@ def run_fp8_stack(emulated: str) -> None:
         "generation": {"max_new_tokens": 64 if not TINY else 20, "ignore_eos": True},
     }  # fmt: skip
     models = {"32b": LoadedModel(big, None, "32b"), "8b": LoadedModel(small, None, "8b")}
-    decoder = HierarchicalDecoder(load_config(config), models)
     prompts = torch.randint(0, 1000, (2, 128 if not TINY else 8), generator=torch.Generator().manual_seed(0)).tolist()
-    decoder.generate(prompts, max_new_tokens=8)  # warm-up: kernels compiled, graphs captured
-    sync()
-    began = time.perf_counter()
-    out = decoder.generate(prompts)
-    sync()
-    seconds = time.perf_counter() - began
-    tokens = sum(len(r.token_ids) for r in out)
-    peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
-    runners = [lv.runner if hasattr(lv, "runner") else lv.state.runner for lv in decoder.stack.levels]
-    kv = sum(r.cache.data.numel() * r.cache.data.element_size() for r in runners)
-    smc = out[0].stats["levels"]
-    say(f"fp8stack{emulated}: weights {weights / 1e9:.1f} GB (built in {loaded}), KV auto: "
-        f"{decoder.stack.capacity} slots ({kv / 2**30:.1f} GiB); 2 prompts x 6 particles: {tokens} tokens in "
-        f"{seconds:.1f} s (after a warm-up); torch.cuda.max_memory_allocated {peak / 2**30:.1f} GiB, of it "
-        f"{(peak - weights - kv) / 2**30:.1f} GiB neither weights nor KV "
-        f"({'fits an H100 80 GB: ok' if peak < H100_BYTES else 'OVER an H100 80 GB'}); levels {smc}")  # fmt: skip
-    results["fp8stack"] = {"weights_bytes": weights, "kv_slots": decoder.stack.capacity, "kv_bytes": kv,
-                           "tokens": tokens, "seconds": seconds, "max_memory_allocated": peak,
-                           "emulated_h100": bool(emulated)}  # fmt: skip
+    for dynamic in (False, True):  # weight-only FP8, then FP8 activations on the multi-row forwards
+        config["engine"]["fp8_activations"] = dynamic
+        decoder = HierarchicalDecoder(load_config(config), models)
+        decoder.generate(prompts, max_new_tokens=8)  # warm-up: kernels compiled, graphs captured
+        sync()
+        began = time.perf_counter()
+        out = decoder.generate(prompts)
+        sync()
+        seconds = time.perf_counter() - began
+        tokens = sum(len(r.token_ids) for r in out)
+        peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
+        runners = [lv.runner if hasattr(lv, "runner") else lv.state.runner for lv in decoder.stack.levels]
+        kv = sum(r.cache.data.numel() * r.cache.data.element_size() for r in runners)
+        levels = out[0].stats["levels"]
+        tag = "fp8 activations" if dynamic else "weight-only fp8"
+        say(f"fp8stack{emulated} [{tag}]: weights {weights / 1e9:.1f} GB (built in {loaded}), KV auto: "
+            f"{decoder.stack.capacity} slots ({kv / 2**30:.1f} GiB); 2 prompts x 6 particles: {tokens} tokens in "
+            f"{seconds:.2f} s = {tokens / seconds:.1f} tok/s (after a warm-up); torch.cuda.max_memory_allocated "
+            f"{peak / 2**30:.1f} GiB, of it {(peak - weights - kv) / 2**30:.1f} GiB neither weights nor KV "
+            f"({'fits an H100 80 GB: ok' if peak < H100_BYTES else 'OVER an H100 80 GB'}); per level forward ms: "
+            + ", ".join(f"{lv['kind']} {lv['forward_ms']:.2f}" for lv in levels))  # fmt: skip
+        results.setdefault("fp8stack", {})[tag] = {
+            "weights_bytes": weights, "kv_slots": decoder.stack.capacity, "kv_bytes": kv, "tokens": tokens,
+            "seconds": seconds, "max_memory_allocated": peak, "emulated_h100": bool(emulated), "levels": levels,
+        }  # fmt: skip
+        del decoder, out, runners
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 RSS_MEASURE = """
@@ -1314,6 +1326,176 @@ def few_row_forwards_8b(out: dict) -> None:
         triton_backend._few_rows = route
 
 
+def check_fp8_linears() -> None:
+    """The FP8 decoder Linears (Qwen's 128x128 blocks) at the row counts the headline stack runs (an SMC
+    proposal's particles; a verify of rows x (K+1) tokens), all layers of a kind chained in one graph: the
+    weight-only route (norm / SiLU kernel, then `fp8_gemm`) against FP8 activations (`w8a8_gemm`, planned) and
+    bf16 cuBLAS on the dequantized weights; the outputs against their references. (The sweep behind the
+    planner, and the weight-only few-row and `torch._scaled_mm` variants tried: docs/measurements/2026-11-24-h200-
+    fp8-w8a8-sweep.txt, -fp8-few-row-tried.txt.)"""
+    from hsmc.ops.fp8_gemm import quantize_groups
+    from hsmc.ops.fp8_linear import FP8_DTYPE, FP8_MAX
+
+    bandwidth = copy_bandwidth(DEVICE)
+    say(f"fp8linears: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    out = results.setdefault("fp8linears", {"bandwidth": bandwidth})
+    x = (torch.randn(64, 25600, device=DEVICE) * torch.logspace(-4, 3, 64, device=DEVICE)[:, None]).bfloat16()
+    q, scale = quantize_groups(x, 128)
+    blocks = x.float().view(64, -1, 128)
+    want_scale = (blocks.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    want_q = (blocks / want_scale[..., None]).to(FP8_DTYPE).view(64, -1)
+    same = torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
+    say(f"  quantize_groups (Triton) vs torch on 64 x 25600 bf16 rows: {'bit-equal' if same else 'DIFFERENT'}")
+    out["quantize_equal"] = same
+    for shape, rows in (("qwen3-32b", (2, 8, 16, 72, 144, 256)), ("qwen3-8b", (8, 32, 72))):
+        layers, dims = layer_linears_of(shape, True)
+        for m in rows:
+            time_fp8_linears(layers, dims, shape, m, bandwidth, out)
+        del layers
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def fp8_route(x, w, s, how: dict, norm, res, dynamic: bool):
+    """One FP8 Linear step over rows > 1 as the Triton backend runs it: norm / SiLU kernel, then the FP8 GEMM."""
+    from hsmc.ops import fused as fk
+    from hsmc.ops.fp8_linear import QWEN_BLOCK, fp8_linear
+
+    if how.get("norm"):
+        x = fk.rms_norm(x, norm, 1e-6)
+    elif how.get("silu"):
+        x = fk.silu_mul(x)
+    return fp8_linear(x, w, s, None, QWEN_BLOCK, res if how.get("residual") else None, dynamic)
+
+
+def time_fp8_linears(layers: list[dict], dims: dict, shape: str, m: int, bandwidth: float, out: dict) -> None:
+    import torch.nn.functional as F
+
+    from hsmc.ops.fp8_linear import QWEN_BLOCK, dequantize_fp8, quantize_activations
+
+    kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
+             "down": dict(silu=True, residual=True)}  # fmt: skip
+    norm = layers[0]["norm1"]
+    totals = {"weight-only": 0.0, "fp8 activations": 0.0, "bf16 cublas": 0.0}
+    floor_total = 0.0
+    cells = []
+    for kind, how in kinds.items():
+        n, k = dims[kind]
+        x = torch.randn(m, 2 * k if how.get("silu") else k, device=DEVICE, dtype=torch.bfloat16)
+        res = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+        floor = sum(layer[kind][0].numel() + layer[kind][1].numel() * 4 for layer in layers) / bandwidth * 1e3
+        floor_total += floor
+        times = {}
+        for name, dynamic in (("weight-only", False), ("fp8 activations", True)):
+            times[name] = graph_ms(
+                lambda d=dynamic: [fp8_route(x, *layer[kind], how, norm, res, d) for layer in layers]
+            )
+        dense = [dequantize_fp8(*layer[kind], QWEN_BLOCK, torch.bfloat16) for layer in layers]
+        xin = x if not how.get("silu") else x[:, :k].contiguous()
+        times["bf16 cublas"] = graph_ms(lambda: [F.linear(xin, d) for d in dense])
+        reference = dense_step(x, dense[0], how, norm, res).float()
+        dense.clear()
+        torch.cuda.empty_cache()
+        for name in totals:
+            totals[name] += times[name]
+        errs = {}
+        for name, dynamic in (("weight-only", False), ("fp8 activations", True)):
+            got = fp8_route(x, *layers[0][kind], how, norm, res, dynamic).float()
+            errs[name] = ((got - reference).norm() / reference.norm()).item()
+        # the FP8-activation GEMM against its own definition: the same product on the quantized input
+        dq = dequantize_fp8(*layers[0][kind], QWEN_BLOCK, torch.float32)
+        xq = dense_input(x, how, norm)
+        own = (quantize_activations(xq, 128).float() @ dq.T).bfloat16().float() + (
+            res.float() if how.get("residual") else 0
+        )
+        got = fp8_route(x, *layers[0][kind], how, norm, res, True).float()
+        errs["fp8 activations vs own reference"] = ((got - own).norm() / own.norm()).item()
+        out[f"{shape} M={m} {kind}"] = {"times_ms": times, "floor_ms": floor, "rel_err": errs}
+        cells.append(f"{kind} " + "/".join(f"{floor / t:.0%}" for t in times.values()))
+        say(f"    {shape} M={m} {kind}: rel err vs dequantized bf16: weight-only {errs['weight-only']:.1e}, fp8 "
+            f"activations {errs['fp8 activations']:.1e} (vs its own reference "
+            f"{errs['fp8 activations vs own reference']:.1e})")  # fmt: skip
+    say(f"  fp8 {shape} M={m}: weight read {floor_total:.3f} ms; "
+        + ", ".join(f"{name} {ms:.3f} ms ({floor_total / ms:.1%})" for name, ms in totals.items())
+        + f"; per kind (weight-only/fp8 act/bf16): {'; '.join(cells)}")  # fmt: skip
+
+
+def check_w8a8_sweep() -> None:
+    """Tile settings of the FP8-activation GEMM at verify sizes (32B Linears, all layers of a kind chained):
+    both operand orders, the planner's choice first."""
+    import triton
+
+    from hsmc.ops import fused as fk
+    from hsmc.ops.fp8_gemm import W8A8Plan, _multiprocessors, plan_w8a8, w8a8_gemm
+    from hsmc.ops.fp8_linear import QWEN_BLOCK
+
+    bandwidth = copy_bandwidth(DEVICE)
+    out = results.setdefault("w8a8sweep", {"bandwidth": bandwidth})
+    layers, dims = layer_linears_of("qwen3-32b", True)
+    kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
+             "down": dict(silu=True, residual=True)}  # fmt: skip
+    sms = _multiprocessors(DEVICE)
+    settings = [(64, 128, 4, 4, True), (128, 64, 4, 4, True), (64, 128, 4, 4, False), (64, 128, 4, 3, False),
+                (128, 128, 8, 3, False), (128, 128, 4, 3, False), (64, 256, 8, 3, False), (128, 256, 8, 3, False),
+                (64, 64, 4, 5, False), (32, 128, 4, 4, False)]  # fmt: skip
+    for m in (72, 144, 256):
+        totals: dict[str, float] = {}
+        floor_total = 0.0
+        for kind, how in kinds.items():
+            n, k = dims[kind]
+            x = torch.randn(m, 2 * k if how.get("silu") else k, device=DEVICE, dtype=torch.bfloat16)
+            res = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16) if how.get("residual") else None
+            floor_total += sum(lay[kind][0].numel() + lay[kind][1].numel() * 4 for lay in layers) / bandwidth * 1e3
+
+            def plan_of(bm, bn, warps, stages, swap):
+                tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+                split = triton.cdiv(sms, tiles) if 4 * tiles < 3 * sms else 1
+                return W8A8Plan(bm, bn, min(split, triton.cdiv(k, 128)), warps, stages, swap)
+
+            plans = {"planned": plan_w8a8(m, n, k, 128, DEVICE)}
+            plans.update({f"{'s' if st[4] else 'n'}{st[0]}x{st[1]}/{st[2]}/{st[3]}": plan_of(*st) for st in settings})
+            for label, plan in plans.items():
+
+                def chain(plan=plan):
+                    for layer in layers:
+                        h = fk.rms_norm(x, layer["norm1"], 1e-6) if how.get("norm") else x
+                        h = fk.silu_mul(h) if how.get("silu") else h
+                        w8a8_gemm(h, *layer[kind], QWEN_BLOCK, plan, res)
+
+                try:
+                    ms = graph_ms(chain)
+                except Exception as e:  # a setting that does not compile is a sweep result
+                    say(f"  w8a8 M={m} {kind} {label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                    continue
+                totals[label] = totals.get(label, 0.0) + ms
+                out[f"M={m} {kind} {label}"] = ms
+        ranked = sorted(((ms, label) for label, ms in totals.items()), key=lambda t: t[0])
+        say(f"  w8a8 32B M={m}: weight read {floor_total:.3f} ms; "
+            + ", ".join(f"{label} {ms:.2f} ms ({floor_total / ms:.0%})" for ms, label in ranked))  # fmt: skip
+
+
+def dense_input(x, how: dict, norm):
+    """The input a Linear step multiplies (after its norm or SiLU·mul), in x's dtype."""
+    import torch.nn.functional as F
+
+    from hsmc.ops.backend import rms_norm_reference
+
+    if how.get("norm"):
+        return rms_norm_reference(x, norm, 1e-6)
+    if how.get("silu"):
+        gate, up = x.chunk(2, -1)
+        return F.silu(gate) * up
+    return x
+
+
+def dense_step(x, w, how: dict, norm, res):
+    """The reference of one Linear step on dense weights (the torch backend's math, bf16 cuBLAS)."""
+    import torch.nn.functional as F
+
+    y = F.linear(dense_input(x, how, norm), w)
+    return res + y if how.get("residual") else y
+
+
 def check_decode_attention() -> None:
     """The whole Qwen3-8B one-row decode forward (graph replay, PDL chain) with the attention plan forced to
     each setting, at a short and a long context: where the planner's choice shows in the step time."""
@@ -1388,6 +1570,8 @@ def main() -> None:
         "linears": check_linears,
         "fewlinears": check_few_linears,
         "decodeattn": check_decode_attention,
+        "fp8linears": check_fp8_linears,
+        "w8a8sweep": check_w8a8_sweep,
     }
     for name in sections:
         began = time.perf_counter()

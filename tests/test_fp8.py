@@ -14,11 +14,21 @@ pytest.importorskip("triton")
 
 from hsmc.config import load_config  # noqa: E402
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
-from hsmc.errors import ModelLoadError  # noqa: E402
+from hsmc.errors import (
+    ConfigError,  # noqa: E402
+    ModelLoadError,  # noqa: E402
+)
 from hsmc.models.loading import LoadedModel, load_model, read_decoder_config, safetensors_files  # noqa: E402
 from hsmc.models.weight_loader import load_decoder  # noqa: E402
-from hsmc.ops.fp8_gemm import Fp8GemmPlan, fp8_gemm  # noqa: E402
-from hsmc.ops.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
+from hsmc.ops.fp8_gemm import Fp8GemmPlan, W8A8Plan, fp8_gemm, quantize_groups, w8a8_matmul  # noqa: E402
+from hsmc.ops.fp8_linear import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Linear,
+    dequantize_fp8,
+    quantize_activations,
+    quantize_fp8,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 3, 40], [7, 7, 60]]
@@ -65,6 +75,99 @@ def test_default_plans_equal_dequantized_matmul(m):
     out = fp8_gemm(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), (128, 128)).cpu()
     ref = x @ dequantize_fp8(w, scale, (128, 128), torch.float32).T
     torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+def reference_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as e4m3 values and one fp32 scale per row and group (torch ops, the kernel's definition)."""
+    m, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
+    scale = (padded.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (padded / scale[..., None]).to(FP8_DTYPE).flatten(1)[:, :k], scale
+
+
+def test_quantized_activations_keep_each_block_max_and_e4m3_precision():
+    torch.manual_seed(0)
+    x = torch.randn(5, 300) * torch.logspace(-3, 2, 5)[:, None]
+    x[2, 128:256] = 0  # an all-zero block stays zero
+    got = quantize_activations(x, 128)
+    blocks = torch.nn.functional.pad(x, (0, 84)).view(5, 3, 128).abs().amax(-1)
+    got_blocks = torch.nn.functional.pad(got, (0, 84)).view(5, 3, 128).abs().amax(-1)
+    torch.testing.assert_close(got_blocks, blocks, rtol=1e-6, atol=0)  # 448 * scale is the block's max again
+    assert torch.equal(got[2, 128:256], x[2, 128:256])
+    # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal steps of 2^-9 * scale near zero
+    step = blocks.repeat_interleave(128, 1)[:, :300] / FP8_MAX * 2**-9
+    assert ((got - x).abs() <= x.abs() / 16 + step).all()
+    q, scale = reference_groups(x, 128)
+    assert torch.equal(got, (q.float().view(5, -1) * scale.repeat_interleave(128, 1)[:, :300]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "m,plan",
+    [
+        (1, W8A8Plan(16, 16)),
+        (5, W8A8Plan(16, 32, split_k=3)),
+        (37, W8A8Plan(32, 64, num_stages=2)),
+        (37, W8A8Plan(16, 32, split_k=2, swap_ab=False)),
+        (5, W8A8Plan(32, 16, swap_ab=False)),
+    ],
+    ids=["one-row", "splitk-straddling-scale-rows", "row-tiles", "unswapped-row-tiles-splitk", "unswapped"],
+)
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+def test_w8a8_matmul_equals_the_product_of_quantized_operands(m, plan, dtype, residual):
+    """FP8 activations x FP8 weights on the tensor cores: each K tile scaled by the row's and the weight block's
+    scale; ragged N and K, program tiles straddling weight scale rows, several programs per weight tile."""
+    torch.manual_seed(m)
+    n, k, block = 72, 200, (16, 32)
+    w, scale = quantize_fp8(torch.randn(n, k) * torch.logspace(-1, 1, n)[:, None], block)
+    x = torch.randn(m, k)
+    res = torch.randn(m, n).to(dtype) if residual else None
+    q, q_scale = reference_groups(x, block[1])
+    out = w8a8_matmul(q.to(DEVICE), q_scale.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), block, dtype, plan,
+                      None if res is None else res.to(DEVICE)).cpu()  # fmt: skip
+    ref = quantize_activations(x, block[1]) @ dequantize_fp8(w, scale, block, torch.float32).T
+    ref = ref.to(dtype).float() + (0 if res is None else res.float())
+    assert out.dtype == dtype
+    # Hopper's FP8 tensor cores add products into fewer than fp32's 24 bits (measured 7e-5 of the largest output
+    # on an H200); the interpreter's dot is exact
+    tol = 2e-3 if dtype != torch.float32 else (1e-5 if DEVICE == "cpu" else 2e-4)
+    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter rounds some fp32 values to e4m3 one binade low")
+def test_quantize_groups_kernel_equals_reference():
+    torch.manual_seed(0)
+    x = (torch.randn(7, 1000) * torch.logspace(-4, 3, 7)[:, None]).to(DEVICE, torch.bfloat16)
+    q, scale = quantize_groups(x, 128)
+    q_ref, scale_ref = reference_groups(x.float(), 128)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+
+
+def test_fp8_activations_quantize_inputs_of_two_or_more_rows():
+    """A dynamic-activation FP8 Linear: one row as weight-only, more rows on their quantized values (the CPU
+    oracle of the FP8 GEMM: per row, so a row's output does not depend on the rows beside it)."""
+    torch.manual_seed(1)
+    module = Fp8Linear(256, 48, False, (16, 128))
+    module.weight.data, module.weight_scale_inv.data = quantize_fp8(torch.randn(48, 256), (16, 128))
+    dense = module.dequantized(torch.float32)
+    x = torch.randn(3, 256)
+    module.dynamic_activations = True
+    one, many = module(x[:1]), module(x)
+    torch.testing.assert_close(one, x[:1] @ dense.T)
+    torch.testing.assert_close(many, quantize_activations(x, 128) @ dense.T)
+    torch.testing.assert_close(many[1:], module(x[1:]))
+    assert (many - x @ dense.T).abs().max() > 1e-3  # quantizing changed them
+
+
+def test_engine_fp8_activations_reach_every_fp8_linear_and_need_one(tiny_qwen3):
+    cfg = read_decoder_config(tiny_qwen3)
+    fp8 = load_decoder(tiny_qwen3, safetensors_files(tiny_qwen3), cfg, torch.float32, "cpu", "tiny", None, (16, 16))
+    config = {"levels": [{"model": "m"}], "engine": {"fp8_activations": True}}
+    HierarchicalDecoder(load_config(config), models={"m": LoadedModel(fp8, None, "m")})
+    assert all(m.dynamic_activations for m in fp8.modules() if isinstance(m, Fp8Linear))
+    dense = load_model(str(tiny_qwen3), "float32").model
+    with pytest.raises(ConfigError, match="engine.fp8_activations=true but no level's model has FP8 weights"):
+        HierarchicalDecoder(load_config(config), models={"m": LoadedModel(dense, None, "m")})
 
 
 @pytest.fixture(scope="module")

@@ -153,6 +153,9 @@ def test_admission_reserves_rows_and_slots_first_come_first_served():
     # an SMC request takes N consecutive rows: 10 rows hold two groups of 4
     a = Admission([3, 3, 3], 4, max_rows=10, capacity=200, rows_per_prompt=4)
     assert a.admit() == [(0, 0), (1, 1)]
+    # different N per request: groups of the largest N's rows, slots by each request's own N (3+1*4, 3+3*4, 3+2*4)
+    a = Admission([3, 3, 3], 4, max_rows=6, capacity=200, rows_per_prompt=[1, 3, 2])
+    assert a.needs == [7, 15, 11] and a.admit() == [(0, 0), (1, 1)]
     with pytest.raises(KVCapacityError, match="prompt 1 has 50 tokens"):
         Admission([3, 50], 20, max_rows=8, capacity=64)
 

@@ -147,6 +147,32 @@ def test_resampling_plan_resamples_exactly_the_live_groups_below_the_threshold()
     assert ancestors[1].tolist() == systematic_ancestors(logw[1:2], u[1:2])[0].tolist()
 
 
+def test_groups_of_fewer_particles_resample_as_if_alone():
+    """Requests with different N in one batch: a group of c < N particles fills the first c columns, the rest
+    log-weight -inf. Its ancestors equal those of the c particles resampled alone (systematic and multinomial,
+    also at weights whose cdf rounds below 1), padding keeps its own index, and the ESS threshold is τ·c."""
+    from hsmc.smc.resampling import resampling_plan
+
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 2, 3, 1, 4])
+    logw = torch.randn(5, 5, generator=gen, dtype=torch.float64) * 3
+    logw[2, :3] = torch.tensor([0.0, -40.0, -40.0], dtype=torch.float64)  # all weight on the first particle
+    padded = torch.where(torch.arange(5)[None, :] < counts[:, None], logw, float("-inf"))
+    u = torch.rand(5, generator=gen, dtype=torch.float64)
+    us = torch.rand(5, 5, generator=gen, dtype=torch.float64)
+    sys_got = systematic_ancestors(padded, u, counts)
+    mult_got = multinomial_ancestors(padded, us, counts)
+    for g, c in enumerate(counts.tolist()):
+        assert sys_got[g, :c].tolist() == systematic_ancestors(logw[g : g + 1, :c], u[g : g + 1])[0].tolist()
+        assert mult_got[g, :c].tolist() == multinomial_ancestors(logw[g : g + 1, :c], us[g : g + 1, :c])[0].tolist()
+        assert sys_got[g, c:].tolist() == mult_got[g, c:].tolist() == list(range(c, 5))
+    live = torch.ones(5, dtype=torch.bool)
+    _, resample, ess = resampling_plan(padded, live, u, 0.5, "systematic", counts)
+    alone = torch.stack([effective_sample_size(logw[g, :c]) for g, c in enumerate(counts.tolist())])
+    assert torch.allclose(ess, alone)
+    assert resample.tolist() == (alone < 0.5 * counts).tolist()
+
+
 def test_output_ends_matches_stop_criteria():
     """The device test of the ends equals `StopCriteria.append` (no stop strings) on random blocks."""
     from hsmc.stopping import StopCriteria, output_ends

@@ -12,6 +12,7 @@ from helpers import assert_pools_empty
 
 from hsmc.decoder import HierarchicalDecoder
 from hsmc.engine.scheduler import Admission
+from hsmc.errors import ConfigError
 from hsmc.stopping import StopCriteria
 
 VOCAB = 4
@@ -233,6 +234,30 @@ def test_log_z_is_unbiased(models):
     assert sum(r.smc.resamplings for r in results) > groups / 4, "resampling should happen"
     assert se < 0.03 * z, "the test should resolve Z to a few percent"
     assert abs(mean - z) < 4 * se
+
+
+def test_requests_with_different_particle_counts_decode_together_and_stay_unbiased(models):
+    """N = 1..4 per request in one batch (groups of 4 rows, the smaller ones padded with weight-0 columns):
+    each request returns its own N particles and, for every N, E[exp(log Ẑ)] is the exact Z (the same setting
+    as `test_log_z_is_unbiased`: resampling, a block cut by the length limit); the pools end empty."""
+    _, target = models
+    prompt, n_tokens, alpha, groups = [1, 2, 0], 5, 2.0, 4000
+    z = math.exp(_logsumexp([alpha * sum(lp) for lp in _token_logps(target, prompt, n_tokens).values()]))
+    decoder = _smc(target, target, rows=4096, particles=4, block_size=2, alpha=alpha, ess_threshold=0.9)
+    counts = [1 + i % 4 for i in range(groups)]
+    results = decoder.generate([prompt] * groups, max_new_tokens=n_tokens, ignore_eos=True, seed=4, particles=counts)
+    assert [len(r.smc.particles) for r in results] == counts
+    assert all(r.smc.chosen < n and len(r.token_ids) == n_tokens for r, n in zip(results, counts))
+    assert_pools_empty(decoder)
+    for n in (2, 3, 4):
+        mine = [r for r, c in zip(results, counts) if c == n]
+        estimates = torch.tensor([math.exp(r.smc.log_z) for r in mine], dtype=torch.float64)
+        mean, se = estimates.mean().item(), (estimates.std() / math.sqrt(len(mine))).item()
+        print(f"N={n}: exact Z {z:.5f}, mean of exp(log Z^) {mean:.5f} +- {se:.5f}")
+        assert sum(r.smc.resamplings for r in mine) > len(mine) / 8, f"N={n}: resampling should happen"
+        assert abs(mean - z) < 4 * se
+    with pytest.raises(ConfigError, match="one per prompt"):
+        decoder.generate([prompt] * 2, particles=[2])
 
 
 def test_resampling_happens_and_pools_return_to_empty(models):

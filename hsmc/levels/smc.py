@@ -1,7 +1,10 @@
 """`smc` level: SMC speculative decoding against a target model (DESIGN.md §3), top of a stack.
 
-A request is a group of N particles (rows). The target prefills the prompt once and the prompt KV
-fans out to all particles by refcount; each particle draws its own x0 from softmax(α·ℓ/T_t) (one
+A request is a group of N particles (rows); requests of one batch may ask for different N. A group
+occupies a slot of as many consecutive rows as the largest N of the call, its particles the first N
+(the weight math runs on [groups, slot] tensors whose unused columns hold log-weight -inf; forwards take
+the particles' rows only). The target prefills the prompt once and the prompt KV fans out to all
+particles by refcount; each particle draws its own x0 from softmax(α·ℓ/T_t) (one
 shared x0 would fix the first token's marginal at the local power, not the global p_T^α), with
 the weight term log Σ p_T^α at that position. Each cycle the level below proposes K tokens per
 particle, ONE target forward scores [seed, d_1..d_K], the bonus is drawn from softmax(α·L_K/T_t),
@@ -30,7 +33,6 @@ finished by the host gets its result from the next read (one more read after the
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -81,10 +83,12 @@ class GroupResult:
 class _Group:
     """Host-side view of one request: its rows and each particle's tokens and state."""
 
-    def __init__(self, index: int, slot: int, particles: int, length: int) -> None:
+    def __init__(self, index: int, slot: int, particles: int, slot_size: int, length: int) -> None:
         self.index = index  # the group's prompt
-        self.slot = slot  # its row group: rows slot*N .. slot*N+N-1
-        self.rows = [slot * particles + i for i in range(particles)]
+        self.slot = slot  # its row group: rows slot*S .. slot*S+S-1 (S: the call's largest N), particles first
+        self.particles = particles
+        self.rows = [slot * slot_size + i for i in range(particles)]
+        self.padding = [slot * slot_size + i for i in range(particles, slot_size)]
         n = particles
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.finished = [False] * n
@@ -146,6 +150,8 @@ class SMCLevel:
         self.noise = torch.zeros(slots, dtype=torch.float64, device=device)  # Gumbel noise of the final selection
         self.finished = torch.zeros(slots, dtype=torch.bool, device=device)
         self.generated = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.counts = torch.ones(slots, dtype=torch.int64, device=device)  # per group: its particles
+        self.slot_size = params.particles  # rows per group in the running `run`: its largest N
         self.stop_ids = torch.zeros(0, dtype=torch.int64, device=device)  # of the running `run`:
         self.max_new_tokens = 0
         self.device_ends = True  # no stop strings: the device finds the ends, the read overlaps the next cycle
@@ -182,14 +188,22 @@ class SMCLevel:
         return upload(torch.tensor(values, dtype=torch.int64), self.state.seq.device)
 
     def run(
-        self, prompts: list[list[int]], admission: Admission, max_new_tokens: int, stop: StopCriteria
+        self,
+        prompts: list[list[int]],
+        admission: Admission,
+        max_new_tokens: int,
+        stop: StopCriteria,
+        particles: list[int] | None = None,
     ) -> Iterator[RequestEvent]:
-        """Decode the prompts: each is admitted into a free row group (its N particles) between cycles and
-        decoded with the groups already running (continuous batching). Yields each group's consensus tokens
-        as they settle and, when all its particles have finished, its result.
+        """Decode the prompts: each is admitted into a free row group (its N particles: `particles[i]`, by
+        default the level's N) between cycles and decoded with the groups already running (continuous
+        batching). Yields each group's consensus tokens as they settle and, when all its particles have
+        finished, its result.
 
         Without stop strings the device decides each cycle's ends, so the next cycle is launched before the
         host reads this one (overlap). With stop strings every read is weighed before the next launch."""
+        particles = particles or [self.params.particles] * len(prompts)
+        self.slot_size = max(particles)
         self.stop_ids = self._index(sorted(stop.token_ids))
         self.max_new_tokens, self.device_ends, self.awaiting = max_new_tokens, not stop.strings, []
         groups: list[_Group] = []  # admitted, result not handed out yet
@@ -199,7 +213,7 @@ class SMCLevel:
                 if admitted := admission.admit():
                     if not groups:  # no row holds anything: bounds left by earlier rows must not widen forwards
                         self.set_len_bound(0)
-                    new = [_Group(i, slot, self.params.particles, len(prompts[i])) for i, slot in admitted]
+                    new = [_Group(i, slot, particles[i], self.slot_size, len(prompts[i])) for i, slot in admitted]
                     groups += new
                     reads.append(self._start(new, [prompts[i] for i, _ in admitted], groups))
                 launched = False
@@ -240,9 +254,9 @@ class SMCLevel:
         a step of one token, launched like a cycle; the log-weights start at the x0 term. `running`: every
         group holding rows, these included."""
         p = self.params
-        n = p.particles
         first = self._index([g.rows[0] for g in groups])
         rows = self._index([r for g in groups for r in g.rows])
+        group_of_row = self._index([j for j, g in enumerate(groups) for _ in g.rows])
         self.state.load_prompts(first, prompts)
         self.proposal.load_prompts(first, prompts)
         self._bound_lengths(running)
@@ -250,22 +264,28 @@ class SMCLevel:
         logits = prefill.logits[:, 0].float()  # the target at the last prompt token
         features = prefill if self.proposal.feature_layers else None  # for an EAGLE3 head drafting directly
         self.proposal.prefill(first, features)  # the proposal keeps the prompt's last token pending
-        if n > 1:
-            src = self._index([g.rows[0] for g in groups for _ in range(n - 1)])
+        if len(rows) > len(groups):
+            src = self._index([g.rows[0] for g in groups for _ in g.rows[1:]])
             dst = self._index([r for g in groups for r in g.rows[1:]])
             self.state.fork(src, dst)
             self.proposal.fork(src, dst)
-        x0, _ = sample(p.alpha * logits.repeat_interleave(n, 0), p.temperature, self.generator)
+        x0, _ = sample(p.alpha * logits[group_of_row], p.temperature, self.generator)
         prompt_len = self.state.seq_len[rows]
         self.state.append(rows, x0[:, None])
-        group_of_row = torch.arange(len(groups), device=rows.device).repeat_interleave(n)
         self.proposal.accept(rows, prompt_len, x0, features and features.take(group_of_row))
-        self.logw[rows] = log_normalizer(logits, p.alpha, p.temperature).repeat_interleave(n)
-        self.log_z.index_fill_(0, self._index([g.slot for g in groups]), 0.0)
+        self.logw[rows] = log_normalizer(logits, p.alpha, p.temperature)[group_of_row]
+        slots = self._index([g.slot for g in groups])
+        self.log_z.index_fill_(0, slots, 0.0)
+        self.counts[slots] = self._index([g.particles for g in groups])
         self.finished.index_fill_(0, rows, False)
         self.generated.index_fill_(0, rows, 0)
-        if n > 1 and p.selection == "sample":
+        if padding := [r for g in groups for r in g.padding]:  # columns of the slot no particle uses
+            padding_rows = self._index(padding)
+            self.logw.index_fill_(0, padding_rows, float("-inf"))
+            self.finished.index_fill_(0, padding_rows, True)
+        if len(rows) > len(groups) and p.selection == "sample":
             self.noise[rows] = gumbel_noise((len(rows),), self.generator, rows.device).double()
+        n = self.slot_size
         identity = torch.arange(n, device=rows.device).expand(len(groups), n)
         flags = torch.ones(3, len(groups), dtype=torch.bool, device=rows.device)
         flags[0] = False  # no group resampled
@@ -283,7 +303,7 @@ class SMCLevel:
         for g in live:
             g.unread += self.params.block_size + 1
         if not live:
-            n, empty = self.params.particles, torch.zeros(0, dtype=torch.int64, device=rows.device)
+            n, empty = self.slot_size, torch.zeros(0, dtype=torch.int64, device=rows.device)
             flags = torch.zeros(3, 0, dtype=torch.bool, device=rows.device)
             return self._read(_Cycle([], rows, empty.view(0, n), flags, empty.bool(), empty.view(0, 1)))
         return self._read(self._cycle(live, rows))
@@ -300,39 +320,47 @@ class SMCLevel:
     def _cycle(self, groups: list[_Group], rows: torch.Tensor) -> _Cycle:
         """Resampling plan and fork, K proposals, one target forward, the bonus (all on the device)."""
         p = self.params
-        n, k, g = p.particles, p.block_size, len(groups)
+        n, k, g = self.slot_size, p.block_size, len(groups)
         self.cycles += 1
-        logw = self.logw[rows].view(g, n)
-        live = ~self.finished[rows].view(g, n).all(-1)
+        slots = self._index([grp.slot for grp in groups])
+        grid = (slots[:, None] * n + torch.arange(n, device=rows.device)).reshape(-1)  # every row of the slots
+        real = self._index([j * n + i for j, grp in enumerate(groups) for i in range(grp.particles)])  # in grid
+        group_of_row = self._index([j for j, grp in enumerate(groups) for _ in grp.rows])
+        counts = self.counts[slots]
+        logw = self.logw[grid].view(g, n)
+        live = ~self.finished[grid].view(g, n).all(-1)
         resampled = torch.zeros(g, dtype=torch.bool, device=rows.device)
         ancestors = torch.arange(n, device=rows.device).expand(g, n)
         if n >= 2 and p.ess_threshold > 0:
             shape = (g,) if p.resampling == "systematic" else (g, n)
             uniforms = torch.rand(shape, generator=self.generator, device=rows.device, dtype=torch.float64)
-            ancestors, resampled, ess = resampling_plan(logw, live, uniforms, p.ess_threshold, p.resampling)
-            group_index = self._index([grp.slot for grp in groups])
-            closed = torch.logsumexp(logw, -1) - math.log(n)
-            self.log_z.index_add_(0, group_index, torch.where(resampled, closed, 0.0))
-            self.logw[rows] = torch.where(resampled[:, None], 0.0, logw).reshape(-1)
-            src = rows.view(g, n).gather(1, ancestors).reshape(-1)  # identity rows copy onto themselves
+            ancestors, resampled, ess = resampling_plan(logw, live, uniforms, p.ess_threshold, p.resampling, counts)
+            closed = torch.logsumexp(logw, -1) - counts.double().log()
+            self.log_z.index_add_(0, slots, torch.where(resampled, closed, 0.0))
+            used = torch.arange(n, device=rows.device)[None, :] < counts[:, None]
+            self.logw[grid] = torch.where(resampled[:, None] & used, 0.0, logw).reshape(-1)
+            src = grid.view(g, n).gather(1, ancestors).reshape(-1)[real]  # identity rows copy onto themselves
             self.state.fork(src, rows)
             self.proposal.fork(src, rows)
             self.finished[rows], self.generated[rows] = self.finished[src], self.generated[src]
         else:
             ess = effective_sample_size(logw)
-        self.ess_sum += (ess / n * live).sum()
+        self.ess_sum += (ess / counts * live).sum()
         base = self.state.seq_len[rows]  # seq ends with the seed (last bonus / x0)
         seed = self.state.seq[rows, base - 1]
-        go = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+        group_go = torch.ones(g, dtype=torch.bool, device=rows.device)
         if k:
             prop = self.proposal.propose(rows, k)
             draft, logq = prop.tokens, prop.logq
             if prop.ready is not None:  # a group steps when all its particles have their block
-                go = prop.ready.view(g, n).all(-1).repeat_interleave(n)
+                ready = torch.ones(g * n, dtype=torch.bool, device=rows.device)
+                ready[real] = prop.ready
+                group_go = ready.view(g, n).all(-1)
             self.state.append(rows, draft)
         else:
             draft = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)
             logq = torch.zeros(len(rows), 0, device=rows.device)
+        go = group_go[group_of_row]
         step = self.state.forward(rows)
         target = step.last(k + 1).float()  # L_0..L_K
         bonus, _ = sample(p.alpha * target[:, k], p.temperature, self.generator)
@@ -343,7 +371,7 @@ class SMCLevel:
             features = step if self.proposal.feature_layers else None
             mask = None if prop.ready is None else go
             self.proposal.accept(rows, base + k, bonus, features, mask=mask)
-        flags = torch.stack([resampled, live, go.view(g, n)[:, 0]])
+        flags = torch.stack([resampled, live, group_go])
         new_tokens = torch.cat([draft, bonus[:, None]], 1)
         return _Cycle(groups, rows, ancestors, flags, go, new_tokens, (target, draft, logq))
 
@@ -363,11 +391,11 @@ class SMCLevel:
 
     def _record(self) -> torch.Tensor:
         """Every group's would-be result [G, N+2]: the log-weights, log Ẑ so far and the chosen particle."""
-        n = self.params.particles
+        n = self.slot_size
         g = (self.logw.shape[0] - 1) // n  # every row group (row max_rows is the scratch row)
         w = self.logw[: g * n].view(g, n)
         chosen = select_particle(w, self.params.selection, self.noise[: g * n].view(g, n))
-        log_z = self.log_z[:g] + torch.logsumexp(w, -1) - math.log(n)
+        log_z = self.log_z[:g] + torch.logsumexp(w, -1) - self.counts[:g].double().log()
         return torch.cat([w, log_z[:, None], chosen[:, None].double()], 1)
 
     def _settle(
@@ -379,24 +407,25 @@ class SMCLevel:
         ancestors, (resampled, live, stepped), tokens, *fill = values
         if fill:
             self.proposal.fill.observe(fill)
-        n = self.params.particles
         kept: list[int] = []
         ends: list[bool] = []
+        first = 0  # the group's first row in the step's rows
         for j, g in enumerate(step.groups):
             if resampled[j]:
-                g.resample([int(a) for a in ancestors[j]])
+                g.resample([int(a) for a in ancestors[j][: g.particles]])
             if live[j]:
                 self.group_cycles += 1
                 self.resamples += int(resampled[j])
                 self.deferred += int(not stepped[j])
-            g.unread -= len(tokens[j * n])
+            g.unread -= len(tokens[first])
             if stepped[j]:
-                g.length += len(tokens[j * n])
-            for i in range(n):
+                g.length += len(tokens[first])
+            for i in range(g.particles):
                 was = g.finished[i]
-                new = [int(t) for t in tokens[j * n + i]]
+                new = [int(t) for t in tokens[first + i]]
                 kept.append(g.extend(i, new, self.max_new_tokens, stop) if stepped[j] and not was else 0)
                 ends.append(g.finished[i])
+            first += g.particles
         events, finished = [], []
         for g in step.groups:
             if g.live and all(g.finished):
@@ -409,12 +438,12 @@ class SMCLevel:
     def _results(self, groups: list[_Group], record: list[list[float]], admission: Admission) -> Iterator[RequestEvent]:
         """Hand out the results of finished groups from a record taken after their last weighing; their rows
         go back to the admission."""
-        n = self.params.particles
+        n = self.slot_size
         if groups:
             self._release([r for g in groups for r in g.rows])
         for g in groups:
             row = record[g.slot]
             g.done = True
             admission.finish(g.index)
-            result = GroupResult(g.tokens, g.reasons, row[:n], row[n], g.resamplings, int(row[n + 1]))
+            result = GroupResult(g.tokens, g.reasons, row[: g.particles], row[n], g.resamplings, int(row[n + 1]))
             yield RequestEvent(g.index, result.token_ids[g.streamed :], result.finish_reason, result)

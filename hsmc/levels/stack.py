@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, random_eagle3_head
@@ -22,6 +23,7 @@ from hsmc.levels.smc import SMCLevel, SMCParams
 from hsmc.models.loading import LoadedModel, load_model
 from hsmc.models.shapes import SHAPES, random_loaded, random_shape
 from hsmc.ops.backend import Backend, TorchBackend
+from hsmc.ops.fp8_linear import Fp8Linear
 
 
 @dataclass
@@ -60,6 +62,17 @@ def make_backend(name: str) -> Backend:
     return TorchBackend()
 
 
+def _set_fp8_activations(modules: list[nn.Module], dynamic: bool) -> None:
+    """Every FP8 Linear of the stack's models follows `engine.fp8_activations` (models passed in included)."""
+    linears = [m for module in modules for m in module.modules() if isinstance(m, Fp8Linear)]
+    if dynamic and not linears:
+        raise ConfigError(
+            "engine.fp8_activations=true but no level's model has FP8 weights (an FP8 checkpoint, or dtype: fp8)"
+        )
+    for linear in linears:
+        linear.dynamic_activations = dynamic
+
+
 def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -> Stack:
     device = torch.device(cfg.engine.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -93,6 +106,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
     # every weight first: an auto-sized KV pool takes what is free after all of them
     heads = {i: head_of(lc) for i, lc in enumerate(cfg.levels) if lc.kind == "eagle3"}
     modules = [heads[i][0] if i in heads else model_of(lc).model for i, lc in enumerate(cfg.levels)]
+    _set_fp8_activations(modules, cfg.engine.fp8_activations)
     rows = cfg.engine.max_batch_rows
     capacity = _kv_capacity(cfg, modules, device)
     levels: list[Any] = []

@@ -60,11 +60,12 @@ def plan_decode_linear(n: int, k: int, scale_block_k: int | None, prologue: int)
     separate kernel before wider ones (gate/up, the LM head) and before down (SiLU·mul fused into down
     read at 3.1-3.9 TB/s depending on the kernel's code around it, after a SiLU kernel at 3.7-3.8).
     FP8 weights always take the separate kernel (the prologue would be repeated per tile in a kernel that
-    is short of instructions, not bandwidth), pipeline 3 tiles, K tiles of 512 below 64 Mi entries."""
+    is short of instructions, not bandwidth), pipeline 3 tiles of 1024 columns, 8 rows per program, 4 below
+    6144 rows (o and down: 3.00 vs 2.37 TB/s for the 32B's o, 2.78 vs 1.97 for the 8B's down; 2026-11-24
+    `--sections linears`, docs/measurements/2026-11-24-h200-decode-final.txt)."""
     if scale_block_k is not None:
-        block_k = 512 if n * k < 64 * 2**20 else 1024
-        block_k = max(scale_block_k, block_k // scale_block_k * scale_block_k)
-        return DecodeLinearPlan(8, block_k, num_stages=3, fuse_prologue=False)
+        block_k = max(scale_block_k, 1024 // scale_block_k * scale_block_k)
+        return DecodeLinearPlan(8 if n >= 6144 else 4, block_k, num_stages=3, fuse_prologue=False)
     if prologue == RMS_NORM and n <= 8192:
         return DecodeLinearPlan(16, 512)
     return DecodeLinearPlan(8, 1024, fuse_prologue=prologue == NO_PROLOGUE)

@@ -1,15 +1,25 @@
-"""Weight-only FP8 matmul in Triton: y = x @ dequant(W)^T with W float8_e4m3fn and one scale per block.
+"""FP8 matmuls in Triton: y = x @ dequant(W)^T with W float8_e4m3fn and one scale per block.
 
 Decode reads every weight once per step, so a step's time is the bytes it reads: an FP8 weight is half
 the bytes of bf16. One row runs `decode_linear` (no tensor cores; it streams long tiles of a few weight
-rows). More rows run the kernel here: the FP8 tile is converted to the activation dtype (exact: every e4m3
-value is a bf16/fp16/fp32 value), a tensor-core dot accumulates in fp32 and the partial product is scaled
-per K tile (a K tile never straddles a scale block, so the scale is constant along it).
+rows). More rows run a kernel here:
+
+- weight-only (`fp8_gemm`, the default): the FP8 tile is converted to the activation dtype (exact: every
+  e4m3 value is a bf16/fp16/fp32 value), a tensor-core dot accumulates in fp32 and the partial product is
+  scaled per K tile (a K tile never straddles a scale block, so the scale is constant along it). Exact up to
+  summation order against the dequantized weights, but the converted tile is not pipelined through shared
+  memory: on an H200 the Qwen3-32B Linears read at 55 % of the copy bandwidth at 2..16 rows and 19 % / 14 %
+  at 72 / 144 rows (a verify), half of bf16 cuBLAS's speed there.
+- FP8 activations (`w8a8_gemm`, `engine.fp8_activations`): each row is quantized to e4m3 per block of
+  columns (`quantize_groups`, the checkpoints' `activation_scheme: dynamic`, as vLLM and SGLang run them)
+  and both operands go to the FP8 tensor cores; each K tile's product is scaled by its two scales. 1.3x the
+  weight-only speed at 2..16 rows, 2x at 72..144, for a per-Linear relative error of 1-3 % (e4m3 keeps 3
+  mantissa bits) instead of 0.2 %.
 
 Few rows give too few output tiles to fill the GPU, so K is split across programs whose fp32 partials one
 more small kernel sums and rounds (split-K); with one split the kernel writes the output itself. Either
 adds the residual (the next residual stream) as it rounds. `dequantize_fp8_triton` expands a weight for
-the many-row case, where cuBLAS on the dequantized matrix wins.
+the many-row case, where cuBLAS on the dequantized matrix wins over the weight-only kernel.
 """
 
 from __future__ import annotations
@@ -105,6 +115,14 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
+def _store_rounded(acc, out_ptr, res_ptr, offs, ok, HAS_RESIDUAL: tl.constexpr):
+    """fp32 sums stored in the output's dtype: rounded first, then the residual added (the reference's order)."""
+    if HAS_RESIDUAL:
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(res_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _sum_splits_kernel(
     partial_ptr, res_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr
 ):
@@ -113,9 +131,7 @@ def _sum_splits_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in tl.static_range(SPLIT_K):
         acc += tl.load(partial_ptr + i * size + offs, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(res_ptr + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    _store_rounded(acc, out_ptr, res_ptr, offs, ok, HAS_RESIDUAL)
 
 
 def fp8_gemm(
@@ -181,3 +197,178 @@ def dequantize_fp8_triton(
     grid = (triton.cdiv(n, tile), triton.cdiv(k, tile))
     _dequantize_kernel[grid](weight, scale, out, n, k, scale.stride(0), SCALE_N=block[0], SCALE_K=block[1], BLOCK=tile)
     return out
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """GROUPS groups of GROUP columns of one row, each scaled so that its largest magnitude maps to e4m3's 448."""
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * GROUPS
+    cols = first * GROUP + tl.arange(0, GROUPS * GROUP)
+    ok = cols < K
+    x = tl.reshape(tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32), (GROUPS, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1.1754943508222875e-38)  # all-zero group: scale tiny
+    q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
+    tl.store(q_ptr + row * K + cols, tl.reshape(q, (GROUPS * GROUP,)), mask=ok)
+    groups = first + tl.arange(0, GROUPS)
+    n_groups = tl.cdiv(K, GROUP)
+    tl.store(s_ptr + row * n_groups + groups, scale, mask=groups < n_groups)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [M, K] as e4m3 with one fp32 scale per row and group of `group` columns ([M, ceil(K/group)]);
+    `hsmc.ops.fp8_linear.quantize_activations` is the reference (Triton's interpreter rounds some values to
+    e4m3 wrongly, so the GPU check compares the two: `scripts/gpu_engine_check.py --sections fp8linears`)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
+    groups = max(1, min(8, 1024 // group))
+    _quantize_groups_kernel[(m, triton.cdiv(k, group * groups))](
+        x, q, scale, k, x.stride(0), GROUP=group, GROUPS=groups, num_warps=4
+    )
+    return q, scale
+
+
+@dataclass(frozen=True)
+class W8A8Plan:
+    """Input rows and weight rows per program, K splits, launch settings, and the operand order: `swap_ab`
+    makes the weight rows the dot's M (the instruction's 64-row side), which few input rows cannot fill."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    swap_ab: bool = True
+
+
+def plan_w8a8(m: int, n: int, k: int, scale_block_k: int, device: torch.device) -> W8A8Plan:
+    """Settings measured on an H200 over the Qwen3-8B / 32B Linears at 2..256 rows, all layers chained
+    (`scripts/gpu_engine_check.py --sections fp8linears,w8a8sweep`, docs/measurements/2026-11-24-h200-fp8-w8a8-
+    sweep.txt, -w8a8-verify-sweep.txt): swapped operands up to 128 rows, the usual order above (12-15 % faster
+    at 144 and 256 rows); K is split while the tiles would leave a quarter of the SMs idle."""
+    if m <= 16:
+        block_m, block_n, stages, swap = 16, 128, 6, True
+    elif m <= 32:
+        block_m, block_n, stages, swap = 32, 128, 4, True
+    elif m <= 128:
+        block_m, block_n, stages, swap = 128, 64, 4, True
+    else:
+        block_m, block_n, stages, swap = 64, 128, 4, False
+    tiles, sms = triton.cdiv(n, block_n) * triton.cdiv(m, block_m), _multiprocessors(device)
+    split = triton.cdiv(sms, tiles) if 4 * tiles < 3 * sms else 1
+    return W8A8Plan(block_m, block_n, min(split, triton.cdiv(k, scale_block_k)), 4, stages, swap)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_kernel(
+    q_ptr,
+    qs_ptr,
+    w_ptr,
+    ws_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_wn,
+    stride_wsn,
+    k_per_split,
+    HAS_RESIDUAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    REREAD: tl.constexpr,
+):
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_n = tl.program_id(0) // m_tiles  # the row tiles of one weight tile run side by side: it leaves L2 once
+    pid_m = tl.program_id(0) % m_tiles
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok, m_ok = rn < N, rm < M
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    groups = tl.cdiv(K, BLOCK_K)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):  # a K tile is one scale block of both operands
+        cols = k0 + rk
+        k_ok = cols < k_end
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        if REREAD:  # other row tiles read this weight tile too: keep it in L2
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        q = tl.load(q_ptr + rm[:, None] * K + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        ws = tl.load(ws_ptr + (rn // SCALE_N) * stride_wsn + k0 // BLOCK_K, mask=n_ok, other=0.0)
+        qs = tl.load(qs_ptr + rm * groups + k0 // BLOCK_K, mask=m_ok, other=0.0)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(q)) * ws[:, None] * qs[None, :]
+        else:
+            acc += tl.dot(q, tl.trans(w)) * qs[:, None] * ws[None, :]
+    if SWAP_AB:
+        offs = rm[None, :] * N + rn[:, None]  # acc[n, m] is output row m, column n
+        ok = n_ok[:, None] & m_ok[None, :]
+    else:
+        offs = rm[:, None] * N + rn[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * M * N + offs, acc, mask=ok)
+    else:
+        _store_rounded(acc, out_ptr, res_ptr, offs, ok, HAS_RESIDUAL)
+
+
+def w8a8_matmul(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    plan: W8A8Plan | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[residual +] (q * q_scale) @ dequant(weight)^T in `dtype`, on the FP8 tensor cores: q [M, K] e4m3 with
+    one scale per row and block[1] columns (`quantize_groups`), weight [N, K] e4m3 with `scale` per block."""
+    m, k = q.shape
+    n = weight.shape[0]
+    q, q_scale = q.contiguous(), q_scale.contiguous()
+    plan = plan or plan_w8a8(m, n, k, block[1], q.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, plan.split_k), block[1]) * block[1]
+    splits = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=dtype, device=q.device)
+    res = residual.contiguous() if residual is not None else out
+    partial = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=q.device)
+    m_tiles = triton.cdiv(m, plan.block_m)
+    _w8a8_kernel[(triton.cdiv(n, plan.block_n) * m_tiles, splits)](
+        q, q_scale, weight, scale, res, partial, m, n, k, weight.stride(0), scale.stride(0), k_per_split,
+        HAS_RESIDUAL=residual is not None, SPLIT=splits > 1, SCALE_N=block[0], BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, BLOCK_K=block[1], SWAP_AB=plan.swap_ab, REREAD=m_tiles > 1,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
+            partial, res, out, m * n, SPLIT_K=splits, BLOCK=1024, HAS_RESIDUAL=residual is not None
+        )
+    return out
+
+
+def w8a8_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    plan: W8A8Plan | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[residual +] x @ dequant(weight)^T with x quantized per row and scale block of columns first (the
+    checkpoints' `activation_scheme: dynamic`), in x's dtype."""
+    q, q_scale = quantize_groups(x.contiguous(), block[1])
+    return w8a8_matmul(q, q_scale, weight, scale, block, x.dtype, plan, residual)

@@ -9,6 +9,11 @@ by reading weights, and halving their bytes is what speeds it up.
 On CUDA, one row runs `decode_linear.py`'s kernel and up to `TRITON_MAX_ROWS` rows the Triton GEMM of
 `fp8_gemm.py` (both dequantizing in the kernel); more rows dequantize the matrix and call cuBLAS. On the
 CPU the reference dequantizes and multiplies: it is the oracle the kernel is checked against.
+
+With `dynamic_activations` (`engine.fp8_activations: true`) a Linear over two or more rows first quantizes
+its input per row and block of columns (`quantize_activations`; on CUDA the FP8 tensor-core GEMM
+`w8a8_gemm`). One row (batch-1 decode) keeps its activations: it is bound by reading the weights, and the
+one-row kernel reads them faster than the FP8 GEMM would.
 """
 
 from __future__ import annotations
@@ -92,6 +97,17 @@ def dequantize_fp8(
     return (weight.float() * _expand(scale, block, weight.shape)).to(dtype)
 
 
+def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the FP8 GEMM sees it: each row's blocks of `group` columns scaled so that their largest magnitude
+    is e4m3's 448, rounded to e4m3 and scaled back (fp32 arithmetic, the result in x's dtype)."""
+    k = x.shape[-1]
+    blocks = -(-k // group)
+    padded = F.pad(x.float(), (0, blocks * group - k)).unflatten(-1, (blocks, group))
+    scale = (padded.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (padded / scale).to(FP8_DTYPE).float() * scale
+    return q.flatten(-2)[..., :k].to(x.dtype)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -99,19 +115,24 @@ def fp8_linear(
     bias: torch.Tensor | None,
     block: tuple[int, int],
     residual: torch.Tensor | None = None,
+    dynamic_activations: bool = False,
 ) -> torch.Tensor:
-    """[residual +] x @ dequant(weight)^T [+ bias]."""
+    """[residual +] x @ dequant(weight)^T [+ bias]; with `dynamic_activations`, x quantized per row and
+    block[1] columns first when it has two or more rows."""
     rows = x.numel() // x.shape[-1]
     shape = (*x.shape[:-1], weight.shape[0])
-    if x.is_cuda and rows <= TRITON_MAX_ROWS:
-        from hsmc.ops.fp8_gemm import fp8_gemm
+    quantize = dynamic_activations and rows > 1
+    if x.is_cuda and (quantize or rows <= TRITON_MAX_ROWS):
+        from hsmc.ops.fp8_gemm import fp8_gemm, w8a8_gemm
 
+        gemm = w8a8_gemm if quantize else fp8_gemm
         x2 = x.reshape(rows, x.shape[-1])
         if bias is None:  # the GEMM adds the residual as it rounds
             res = residual.reshape(rows, -1) if residual is not None else None
-            return fp8_gemm(x2, weight, scale, block, residual=res).view(shape)
-        out = fp8_gemm(x2, weight, scale, block).view(shape) + bias
+            return gemm(x2, weight, scale, block, residual=res).view(shape)
+        out = gemm(x2, weight, scale, block).view(shape) + bias
     else:
+        x = quantize_activations(x, block[1]) if quantize else x
         out = F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)
     return out if residual is None else residual + out
 
@@ -138,9 +159,10 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(nb, kb, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype), requires_grad=False) if bias else None
+        self.dynamic_activations = False  # the engine's `fp8_activations`: set when a stack is built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, None, self.dynamic_activations)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale_inv, self.block, dtype)

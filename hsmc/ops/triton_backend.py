@@ -7,7 +7,8 @@ A Linear of one row (batch-1 decode) is one `decode_linear` kernel with its norm
 residual add inside, chained to the next kernel by programmatic dependent launch. 2..16 rows of dense
 weights run `few_row_linear` (tensor cores, the residual add inside, PDL) after a separate RMSNorm or
 SiLU·mul kernel (`fused.py`); more rows, or FP8 weights, a GEMM (cuBLAS with the residual as its `beta`
-term, or the FP8 GEMM with a residual epilogue) after the same kernels."""
+term, or an FP8 GEMM with a residual epilogue: weight-only, or with `engine.fp8_activations` on FP8
+activations) after the same kernels."""
 
 from __future__ import annotations
 
@@ -135,7 +136,9 @@ def _weights(linear: nn.Module) -> dict:
 def _matmul(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
     """[residual +] linear(x) as one GEMM where the GEMM can add the residual."""
     if isinstance(linear, Fp8Linear):
-        return fp8_linear(x, linear.weight, linear.weight_scale_inv, linear.bias, linear.block, residual)
+        return fp8_linear(
+            x, linear.weight, linear.weight_scale_inv, linear.bias, linear.block, residual, linear.dynamic_activations
+        )
     if residual is None:
         return F.linear(x, linear.weight, linear.bias)
     if linear.bias is not None:

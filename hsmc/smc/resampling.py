@@ -2,7 +2,9 @@
 
 The functions are pure: the caller draws the uniforms from its seeded generator, so a run is
 reproducible and the functions are testable against plain-Python references. Groups are rows
-of `logw` [G, N] (one SMC request = one group of N particles).
+of `logw` [G, N] (one SMC request = one group of N particles). A group of fewer particles (requests
+with different N in one batch) fills the first `counts[g]` columns; the rest are padding with log-weight
+-inf (weight 0), which no ancestor points to and which keep their own index.
 """
 
 from __future__ import annotations
@@ -12,23 +14,34 @@ import torch
 from hsmc.smc.weights import effective_sample_size
 
 
-def _inverse_cdf(logw: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(logw: torch.Tensor, points: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
     """Particle index whose cumulative normalized weight first reaches each point in [0, 1)."""
     cdf = torch.cumsum(torch.softmax(logw.double(), dim=-1), dim=-1)
     idx = torch.searchsorted(cdf, points.double(), right=True)
-    return idx.clamp_max(logw.shape[-1] - 1)  # cdf[-1] may round to just below 1
+    last = logw.shape[-1] - 1 if counts is None else (counts - 1)[:, None]
+    return idx.clamp_max(last)  # the cdf at the last particle may round to just below 1
 
 
-def systematic_ancestors(logw: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Systematic resampling: one uniform u per group, points (u + i) / N; int64 [G, N]."""
+def _keep_padding(ancestors: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    if counts is None:
+        return ancestors
+    index = torch.arange(ancestors.shape[-1], device=ancestors.device)
+    return torch.where(index < counts[:, None], ancestors, index)
+
+
+def systematic_ancestors(logw: torch.Tensor, uniform: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Systematic resampling: one uniform u per group, points (u + i) / N; int64 [G, N] (N: the group's count)."""
     n = logw.shape[-1]
-    points = (uniform.double()[:, None] + torch.arange(n, device=logw.device, dtype=torch.float64)) / n
-    return _inverse_cdf(logw, points)
+    size = n if counts is None else counts[:, None].double()
+    points = (uniform.double()[:, None] + torch.arange(n, device=logw.device, dtype=torch.float64)) / size
+    return _keep_padding(_inverse_cdf(logw, points, counts), counts)
 
 
-def multinomial_ancestors(logw: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def multinomial_ancestors(
+    logw: torch.Tensor, uniforms: torch.Tensor, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """Multinomial resampling: N independent uniforms per group [G, N]; int64 [G, N]."""
-    return _inverse_cdf(logw, uniforms)
+    return _keep_padding(_inverse_cdf(logw, uniforms, counts), counts)
 
 
 def select_particle(logw: torch.Tensor, mode: str, gumbel: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,15 +57,23 @@ def select_particle(logw: torch.Tensor, mode: str, gumbel: torch.Tensor | None =
 
 
 def resampling_plan(
-    logw: torch.Tensor, live: torch.Tensor, uniforms: torch.Tensor, threshold: float, scheme: str
+    logw: torch.Tensor,
+    live: torch.Tensor,
+    uniforms: torch.Tensor,
+    threshold: float,
+    scheme: str,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The resampling decision of every group, made on the device: (ancestors int64 [G, N], resample bool [G],
-    ESS float64 [G]). A live group (some particle unfinished) resamples when its ESS < threshold·N; the others
-    get identity ancestors, so the caller applies one fork to all groups with no branch on the host.
-    `uniforms`: [G] for `systematic`, [G, N] for `multinomial`."""
-    n = logw.shape[-1]
+    ESS float64 [G]). A live group (some particle unfinished) resamples when its ESS < threshold·N (N: its
+    `counts` entry, default all columns); the others get identity ancestors, so the caller applies one fork to
+    all groups with no branch on the host. `uniforms`: [G] for `systematic`, [G, N] for `multinomial`."""
+    n = logw.shape[-1] if counts is None else counts
     ess = effective_sample_size(logw)
     resample = live & (ess < threshold * n)
-    drawn = systematic_ancestors(logw, uniforms) if scheme == "systematic" else multinomial_ancestors(logw, uniforms)
-    identity = torch.arange(n, device=logw.device).expand_as(drawn)
+    if scheme == "systematic":
+        drawn = systematic_ancestors(logw, uniforms, counts)
+    else:
+        drawn = multinomial_ancestors(logw, uniforms, counts)
+    identity = torch.arange(logw.shape[-1], device=logw.device).expand_as(drawn)
     return torch.where(resample[:, None], drawn, identity), resample, ess
