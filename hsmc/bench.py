@@ -36,6 +36,7 @@ import torch
 from hsmc.config import HsmcConfig, load_config
 from hsmc.cost_model import LevelCost, predict, roofline, with_accepted_length
 from hsmc.engine.scheduler import rows_and_lookahead
+from hsmc.errors import ConfigError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
 from hsmc.models.loading import COMPUTE_DTYPES, LoadedModel
@@ -124,6 +125,17 @@ def hf_twin(model: DecoderLM, hf_cfg: Any) -> Any:
     return hf.eval()
 
 
+def _decode_seconds(t_all: float, t_one: float, case: str) -> float:
+    """Decode time: the N-token run minus the 1-token run (prefill and setup cancel). A difference that is not
+    positive is noise larger than the decode itself, not a speed."""
+    if t_all <= t_one:
+        raise RuntimeError(
+            f"bench {case}: the {t_all:.3f} s run of all new tokens was not slower than the {t_one:.3f} s run of one; "
+            "decode speed cannot be told from noise (use more --new-tokens)"
+        )
+    return t_all - t_one
+
+
 def timed(fn, device: torch.device | None = None) -> float:
     """Seconds `fn` takes on `device` (default: the current CUDA device), its queued work included."""
     device = device or torch.device("cuda")
@@ -161,7 +173,7 @@ def bench_decoder(
         t_one = timed(lambda: run(1))
         results: list = []
         t_all = timed(lambda: results.extend(run(new_tokens)))
-        decode = b * (new_tokens - 1) / max(t_all - t_one, 1e-9)
+        decode = b * (new_tokens - 1) / _decode_seconds(t_all, t_one, name)
         baseline = None
         if hf is not None:
             inputs = prompts.to(top.lm_head.weight.device)
@@ -173,7 +185,7 @@ def bench_decoder(
             run_hf(4)
             hf_one = timed(lambda: run_hf(1))
             hf_all = timed(lambda: run_hf(new_tokens))
-            baseline = b * (new_tokens - 1) / max(hf_all - hf_one, 1e-9)
+            baseline = b * (new_tokens - 1) / _decode_seconds(hf_all, hf_one, f"{name} (transformers)")
         levels = results[0].stats["levels"]
         rows.append(BenchRow(name, b, new_tokens, decode, b * new_tokens / t_all, baseline, b * roof, levels))
     return rows
@@ -246,7 +258,7 @@ def bench_stack(
         t_one = timed(lambda: run(1), device)
         t_all = timed(lambda: run(new_tokens), device)
         one, full = (r[0].stats["levels"] for r in runs[-2:])
-        decode = max(t_all - t_one, 1e-9)
+        decode = _decode_seconds(t_all, t_one, name)
         steps = max(full[-1]["forwards"] - one[-1]["forwards"], 1)
         tok_s_total = b * (new_tokens - 1) / decode
         costs = level_costs(decoder, full)
@@ -378,6 +390,8 @@ def run_bench(
 ) -> tuple[list[BenchRow | StackRow], str]:
     """Benchmark every named shape (on CUDA) and the config's stack (on its device); returns the rows and the
     printed tables."""
+    if new_tokens < 2:
+        raise ConfigError(f"--new-tokens={new_tokens}: decode speed is the N-token run minus the 1-token run, N >= 2")
     device = torch.device(config.engine.device if config is not None and not shapes else "cuda")
     bandwidth = copy_bandwidth(device, 2.0 if device.type == "cuda" else 0.05)
     rows: list[BenchRow] = []

@@ -746,14 +746,23 @@ def dense_twin(fp8_model, dtype: torch.dtype):
 
 
 def check_fp8_logits() -> None:
-    say("== fp8logits: qwen3-8b shape, FP8 and bf16 models vs the fp32 model on the same dequantized weights ==")
+    from hsmc.ops.fp8_linear import Fp8Linear
+
+    say(
+        "== fp8logits: qwen3-8b shape, FP8 (weight-only, and with FP8 activations) and bf16 models vs the fp32 model "
+        "on the same dequantized weights =="
+    )
     dtype = torch.bfloat16
     cfg = DecoderConfig.from_hf(shape_config("qwen3-8b"))
     backend = TritonBackend() if DEVICE.type == "cuda" else TorchBackend()
     logits = {}
-    for kind in ("fp8", "bf16", "fp32"):  # fp32: the exact math the other two round
+    for kind in ("fp8", "fp8 activations", "bf16", "fp32"):  # fp32: the exact math the others round
         model = random_model(cfg, dtype, DEVICE, seed=5, fp8=True)
-        if kind == "bf16":
+        if kind == "fp8 activations":  # `engine.fp8_activations`: the prompt's forward quantizes activations
+            for module in model.modules():
+                if isinstance(module, Fp8Linear):
+                    module.dynamic_activations = True
+        elif kind == "bf16":
             model = dense_twin(model, dtype)
         elif kind == "fp32":  # every tensor in fp32 (the RoPE frequencies already are)
             model = dense_twin(model, torch.float32).float()
@@ -780,16 +789,17 @@ def check_fp8_logits() -> None:
     exact = logits["fp32"]
     scale = exact.std().item()
     results["fp8logits"] = {"logit_std": scale}
-    for kind in ("fp8", "bf16"):
+    for kind in ("fp8", "fp8 activations", "bf16"):
         diff = (logits[kind] - exact).abs()
         agree = (logits[kind].argmax(-1) == exact.argmax(-1)).float().mean().item()
         say(f"fp8logits: {kind} vs fp32: max|diff| {diff.max().item():.3e}, mean|diff| {diff.mean().item():.3e} "
             f"(logit std {scale:.3e}); argmax agreement {agree:.1%} over 17 positions x 4 rows")  # fmt: skip
         results["fp8logits"][kind] = {"max_diff": diff.max().item(), "mean_diff": diff.mean().item(),
                                       "argmax_agreement": agree}  # fmt: skip
-    ratio = results["fp8logits"]["fp8"]["mean_diff"] / results["fp8logits"]["bf16"]["mean_diff"]
-    say(f"fp8logits: the FP8 path's mean error is {ratio:.2f}x bf16's own rounding error on the same weights")
-    results["fp8logits"]["fp8_over_bf16_error"] = ratio
+    for kind in ("fp8", "fp8 activations"):
+        ratio = results["fp8logits"][kind]["mean_diff"] / results["fp8logits"]["bf16"]["mean_diff"]
+        say(f"fp8logits: the {kind} path's mean error is {ratio:.2f}x bf16's own rounding error on the same weights")
+        results["fp8logits"][f"{kind} over bf16 error"] = ratio
 
 
 def check_fp8_stack() -> None:

@@ -89,3 +89,7 @@ def test_bench_config_on_the_cpu(tmp_path, capsys):
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "bound ms" in table and "deferred" in table and "fill rounds" in table
+    # decode speed is the N-token run minus the 1-token run: one new token measures nothing
+    assert main([*args[:-1], "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--new-tokens=1" in err[0]
