@@ -18,7 +18,7 @@ import torch
 
 from hsmc.config import GenerationConfig, HsmcConfig, LevelConfig, level_label
 from hsmc.engine.kv_sizing import GIB, free_memory, stack_capacity
-from hsmc.engine.scheduler import check_prompts_fit, rows_and_lookahead
+from hsmc.engine.scheduler import Admission, rows_and_lookahead
 from hsmc.errors import ConfigError, ModelLoadError, PromptError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
@@ -53,7 +53,7 @@ def check_before_loading(cfg: HsmcConfig, prompts: Sequence[Prompt]) -> list[lis
     ids = prompt_token_ids(tokenizer, prompts, cfg.generation.chat_template)
     rows, lookahead = rows_and_lookahead(cfg)
     engine = cfg.engine
-    check_prompts_fit(
+    Admission(  # raises, naming the first prompt that could never fit
         [len(p) for p in ids],
         cfg.generation.max_new_tokens,
         engine.max_batch_rows,

@@ -1436,15 +1436,15 @@ def check_w8a8_sweep() -> None:
     import triton
 
     from hsmc.ops import fused as fk
-    from hsmc.ops.fp8_gemm import W8A8Plan, _multiprocessors, plan_w8a8, w8a8_gemm
+    from hsmc.ops.fp8_gemm import W8A8Plan, plan_w8a8, w8a8_gemm
     from hsmc.ops.fp8_linear import QWEN_BLOCK
+    from hsmc.ops.split_k import splits_to_fill
 
     bandwidth = copy_bandwidth(DEVICE)
     out = results.setdefault("w8a8sweep", {"bandwidth": bandwidth})
     layers, dims = layer_linears_of("qwen3-32b", True)
     kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
              "down": dict(silu=True, residual=True)}  # fmt: skip
-    sms = _multiprocessors(DEVICE)
     settings = [(64, 128, 4, 4, True), (128, 64, 4, 4, True), (64, 128, 4, 4, False), (64, 128, 4, 3, False),
                 (128, 128, 8, 3, False), (128, 128, 4, 3, False), (64, 256, 8, 3, False), (128, 256, 8, 3, False),
                 (64, 64, 4, 5, False), (32, 128, 4, 4, False)]  # fmt: skip
@@ -1458,9 +1458,8 @@ def check_w8a8_sweep() -> None:
             floor_total += sum(lay[kind][0].numel() + lay[kind][1].numel() * 4 for lay in layers) / bandwidth * 1e3
 
             def plan_of(bm, bn, warps, stages, swap):
-                tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-                split = triton.cdiv(sms, tiles) if 4 * tiles < 3 * sms else 1
-                return W8A8Plan(bm, bn, min(split, triton.cdiv(k, 128)), warps, stages, swap)
+                split = splits_to_fill(triton.cdiv(n, bn) * triton.cdiv(m, bm), triton.cdiv(k, 128), DEVICE)
+                return W8A8Plan(bm, bn, split, warps, stages, swap)
 
             plans = {"planned": plan_w8a8(m, n, k, 128, DEVICE)}
             plans.update({f"{'s' if st[4] else 'n'}{st[0]}x{st[1]}/{st[2]}/{st[3]}": plan_of(*st) for st in settings})

@@ -10,47 +10,17 @@ from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.errors import KVCapacityError
 
 
-def check_prompts_fit(
-    prompt_lengths: Sequence[int],
-    max_new_tokens: int,
-    max_rows: int,
-    capacity: int,
-    rows_per_prompt: int | Sequence[int] = 1,
-    lookahead: int = 0,
-) -> list[int]:
-    """The KV slots each prompt may need (its prompt, shared by its rows, plus each row's growth by
-    max_new_tokens + lookahead: tokens proposed past the end before they are rejected); `rows_per_prompt`
-    for all prompts or each. Raises KVCapacityError naming the first prompt that could never fit on its own,
-    before any work starts."""
-    grow = max_new_tokens + lookahead
-    rows = _per_prompt(rows_per_prompt, len(prompt_lengths))
-    group = max(rows, default=1)  # every prompt takes a group of the largest one's rows
-    needs = []
-    for i, (n, r) in enumerate(zip(prompt_lengths, rows)):
-        need = n + r * grow
-        if need > capacity or group > max_rows:
-            raise KVCapacityError(
-                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} (+{lookahead} lookahead) "
-                f"and {r} row(s) (in groups of {group}) it needs {need} KV slots and {group} rows, more than "
-                f"engine.kv_capacity_tokens={capacity} / engine.max_batch_rows={max_rows}"
-            )
-        needs.append(need)
-    return needs
-
-
-def _per_prompt(rows_per_prompt: int | Sequence[int], prompts: int) -> list[int]:
-    return [rows_per_prompt] * prompts if isinstance(rows_per_prompt, int) else list(rows_per_prompt)
-
-
 class Admission:
     """Continuous batching: prompts wait in order and join the running batch between two steps (cycles)
     as soon as a group of rows and the KV slots they may need are free; a finished request gives both back.
 
     A prompt's group is as many consecutive rows as the most any prompt of the call asks for (an SMC request's
     N particles; requests with fewer use the group's first rows); the lowest free group is taken first, so the
-    active rows stay few and dense. Slots are reserved for the whole request
-    (`check_prompts_fit`), so a running request never runs out. First come, first served: a prompt that does
-    not fit yet holds back those behind it, so none waits forever."""
+    active rows stay few and dense. Slots are reserved for the whole request: its prompt, shared by its rows,
+    plus each row's growth by max_new_tokens + lookahead (tokens proposed past the end before they are
+    rejected), so a running request never runs out. First come, first served: a prompt that does not fit yet
+    holds back those behind it, so none waits forever. A prompt that could never fit on its own raises
+    KVCapacityError, naming it, before any work starts (preflight builds one for that check alone)."""
 
     def __init__(
         self,
@@ -61,9 +31,19 @@ class Admission:
         rows_per_prompt: int | Sequence[int] = 1,
         lookahead: int = 0,
     ) -> None:
-        self.needs = check_prompts_fit(prompt_lengths, max_new_tokens, max_rows, capacity, rows_per_prompt, lookahead)
+        grow = max_new_tokens + lookahead
+        rows = [rows_per_prompt] * len(prompt_lengths) if isinstance(rows_per_prompt, int) else list(rows_per_prompt)
+        group = max(rows, default=1)
+        self.needs = [n + r * grow for n, r in zip(prompt_lengths, rows)]
+        for i, (n, r, need) in enumerate(zip(prompt_lengths, rows, self.needs)):
+            if need > capacity or group > max_rows:
+                raise KVCapacityError(
+                    f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} (+{lookahead} lookahead) "
+                    f"and {r} row(s) (in groups of {group}) it needs {need} KV slots and {group} rows, more than "
+                    f"engine.kv_capacity_tokens={capacity} / engine.max_batch_rows={max_rows}"
+                )
         self.waiting = deque(range(len(prompt_lengths)))
-        self.free_groups = list(range(max_rows // max(_per_prompt(rows_per_prompt, len(prompt_lengths)), default=1)))
+        self.free_groups = list(range(max_rows // group))
         self.free_slots = capacity
         self.group_of: dict[int, int] = {}  # admitted, unfinished prompt -> its row group
 

@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from hsmc.ops import fused
-from hsmc.ops.decode_linear import _round, _weight_tile
-from hsmc.ops.fp8_gemm import _multiprocessors
+from hsmc.ops.decode_linear import _weight_tile
 from hsmc.ops.pdl import pdl_launch
+from hsmc.ops.split_k import finish, splits_to_fill, sum_splits
 
 MAX_ROWS = 16  # the rows of one tensor-core tile; more rows run cuBLAS
 
@@ -52,11 +52,8 @@ def plan_few_row_linear(n: int, k: int, device: torch.device) -> FewRowPlan:
     """Settings measured on an H200 over the Qwen3-8B / 32B Linears and the LM head at 8 rows
     (`scripts/gpu_engine_check.py --sections fewlinears`, all layers chained): 32 weight rows x 256 columns
     per tile, 2 warps, 4 tiles in flight, within 3.5 % of each matrix's best setting (which differ between the
-    two models). K is split only while the row tiles would leave a quarter of the SMs idle: splitting measured
-    faster at 64 and 80 row tiles on 132 SMs, slower at 128."""
-    tiles, sms = triton.cdiv(n, 32), _multiprocessors(device)
-    split = triton.cdiv(sms, tiles) if 4 * tiles < 3 * sms else 1
-    return FewRowPlan(32, 256, min(split, triton.cdiv(k, 256)))
+    two models). K is split while the row tiles would leave SMs idle (`splits_to_fill`)."""
+    return FewRowPlan(32, 256, splits_to_fill(triton.cdiv(n, 32), triton.cdiv(k, 256), device))
 
 
 @triton.jit
@@ -65,17 +62,6 @@ def _dot(w, x, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
     return tl.dot(w, tl.trans(x), acc)
-
-
-@triton.jit
-def _finish(y, offs, n_idx, ok, bias_ptr, res_ptr, out_ptr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The epilogue on fp32 sums y at output offsets `offs` (column `n_idx`): bias, rounding, residual add."""
-    dtype = out_ptr.dtype.element_ty
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + n_idx, mask=ok, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        y = _round(y, dtype) + tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, y.to(dtype), mask=ok)
 
 
 @triton.jit
@@ -132,32 +118,7 @@ def _few_row_kernel(
     if SPLIT:
         tl.store(out_ptr + pid_k * M * N + offs, acc, mask=ok)
     else:
-        _finish(acc, offs, rn[:, None], ok, bias_ptr, res_ptr, out_ptr, HAS_BIAS, HAS_RESIDUAL)
-
-
-@triton.jit(do_not_specialize=["size"])
-def _sum_splits_kernel(
-    partial_ptr,
-    bias_ptr,
-    res_ptr,
-    out_ptr,
-    size,
-    N,
-    SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < size
-    y = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in tl.static_range(SPLIT_K):
-        y += tl.load(partial_ptr + i * size + offs, mask=ok, other=0.0)
-    _finish(y, offs, offs % N, ok, bias_ptr, res_ptr, out_ptr, HAS_BIAS, HAS_RESIDUAL)
+        finish(acc, offs, rn[:, None], ok, bias_ptr, res_ptr, out_ptr, HAS_BIAS, HAS_RESIDUAL)
 
 
 def few_row_linear(
@@ -197,9 +158,5 @@ def few_row_linear(
         num_stages=plan.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
-            partial, bias if bias is not None else weight, res, out, m * n, n, SPLIT_K=splits,
-            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK=1024, num_warps=4,
-            **pdl_launch(x.device),
-        )  # fmt: skip
+        sum_splits(partial, out, bias, res if residual is not None else None)
     return out.view(*x.shape[:-1], n)

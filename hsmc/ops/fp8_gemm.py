@@ -25,13 +25,13 @@ the many-row case, where cuBLAS on the dequantized matrix wins over the weight-o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
 from hsmc.ops.decode_linear import decode_linear
+from hsmc.ops.split_k import finish, multiprocessors, splits_to_fill, sum_splits
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,6 @@ class Fp8GemmPlan:
     num_stages: int = 3
 
 
-@cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def plan_fp8_gemm(m: int, n: int, k: int, scale_block_k: int, device: torch.device) -> Fp8GemmPlan:
     """Settings that measured best on an H200 over the Qwen3-8B/32B Linears (`scripts/gpu_engine_check.py
     --sections fp8gemm`): K is split until there are about four programs per SM."""
@@ -58,7 +53,7 @@ def plan_fp8_gemm(m: int, n: int, k: int, scale_block_k: int, device: torch.devi
     block_n = 64 if m <= 64 else 128
     block_k = min(128, scale_block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    wanted = triton.next_power_of_2(triton.cdiv(4 * _multiprocessors(device), tiles))
+    wanted = triton.next_power_of_2(triton.cdiv(4 * multiprocessors(device), tiles))
     split_k = max(1, min(triton.cdiv(k, block_k), wanted))
     return Fp8GemmPlan(block_m, block_n, block_k, split_k, num_warps=4, num_stages=3)
 
@@ -108,30 +103,9 @@ def _fp8_gemm_kernel(
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
         acc += part * scale[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
-    if HAS_RESIDUAL:  # only with one split: the output rounded, then the residual added
-        res = tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + res
-    tl.store(out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _store_rounded(acc, out_ptr, res_ptr, offs, ok, HAS_RESIDUAL: tl.constexpr):
-    """fp32 sums stored in the output's dtype: rounded first, then the residual added (the reference's order)."""
-    if HAS_RESIDUAL:
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(res_ptr + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _sum_splits_kernel(
-    partial_ptr, res_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in tl.static_range(SPLIT_K):
-        acc += tl.load(partial_ptr + i * size + offs, mask=ok, other=0.0)
-    _store_rounded(acc, out_ptr, res_ptr, offs, ok, HAS_RESIDUAL)
+    offs = rm[:, None] * N + rn[None, :]
+    # one split: the epilogue (the residual only then); several: fp32 partials for `sum_splits`
+    finish(acc, pid_k * M * N + offs, rn[None, :], ok, res_ptr, res_ptr, out_ptr, False, HAS_RESIDUAL)
 
 
 def fp8_gemm(
@@ -166,10 +140,7 @@ def fp8_gemm(
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     if plan.split_k > 1:
-        size = m * n
-        _sum_splits_kernel[(triton.cdiv(size, 1024),)](
-            partial, res, out, size, SPLIT_K=plan.split_k, BLOCK=1024, HAS_RESIDUAL=residual is not None
-        )
+        sum_splits(partial, out, None, res if residual is not None else None)
     return out
 
 
@@ -255,9 +226,8 @@ def plan_w8a8(m: int, n: int, k: int, scale_block_k: int, device: torch.device) 
         block_m, block_n, stages, swap = 128, 64, 4, True
     else:
         block_m, block_n, stages, swap = 64, 128, 4, False
-    tiles, sms = triton.cdiv(n, block_n) * triton.cdiv(m, block_m), _multiprocessors(device)
-    split = triton.cdiv(sms, tiles) if 4 * tiles < 3 * sms else 1
-    return W8A8Plan(block_m, block_n, min(split, triton.cdiv(k, scale_block_k)), 4, stages, swap)
+    split = splits_to_fill(triton.cdiv(n, block_n) * triton.cdiv(m, block_m), triton.cdiv(k, scale_block_k), device)
+    return W8A8Plan(block_m, block_n, split, 4, stages, swap)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -322,7 +292,7 @@ def _w8a8_kernel(
     if SPLIT:
         tl.store(out_ptr + pid_k * M * N + offs, acc, mask=ok)
     else:
-        _store_rounded(acc, out_ptr, res_ptr, offs, ok, HAS_RESIDUAL)
+        finish(acc, offs, rn, ok, res_ptr, res_ptr, out_ptr, False, HAS_RESIDUAL)
 
 
 def w8a8_matmul(
@@ -354,9 +324,7 @@ def w8a8_matmul(
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
-            partial, res, out, m * n, SPLIT_K=splits, BLOCK=1024, HAS_RESIDUAL=residual is not None
-        )
+        sum_splits(partial, out, None, res if residual is not None else None)
     return out
 
 
