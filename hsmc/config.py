@@ -61,6 +61,9 @@ class EngineConfig:
     # FP8 models: quantize the input of a Linear over >= 2 rows per row and 128 columns (the checkpoints'
     # activation_scheme: dynamic) and multiply on the FP8 tensor cores; faster verify/prefill, lossier
     fp8_activations: bool = False
+    # most tokens one prefill forward runs (rows x tokens per row): longer prompts are prefilled in chunks, so
+    # a batch of long prompts needs activations for this many tokens, not for all of them at once
+    prefill_chunk_tokens: int = 8192
 
     @property
     def resolved_attention(self) -> str:
@@ -226,6 +229,7 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
     for key, value in (
         ("generation.max_new_tokens", cfg.generation.max_new_tokens),
         ("engine.max_batch_rows", cfg.engine.max_batch_rows),
+        ("engine.prefill_chunk_tokens", cfg.engine.prefill_chunk_tokens),
         ("engine.kv_capacity_tokens", capacity if isinstance(capacity, int) else 1),
     ):
         if value <= 0:

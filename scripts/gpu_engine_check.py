@@ -51,6 +51,7 @@ Results are printed and written to DIR (results.json, summary.txt).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -543,6 +544,99 @@ def check_verify() -> None:
     results["verify"]["gate_up_sweep"] = sweep
 
 
+def check_prefill() -> None:
+    say("== chunked prefill: 8 prompts of 512..4096 tokens, Qwen3-8B shape (random bf16) ==")
+    from hsmc.levels.base import SequenceState
+
+    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    rows_n, length = 8, 4096
+    tables = BlockTables(SlotAllocator(rows_n * length + 64, "cuda"), rows_n, length + 64)
+    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    rows = torch.arange(rows_n, device="cuda")
+    lengths = [length - 512 * i for i in range(rows_n)]  # ragged: rows end in different chunks
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    out = {}
+    last = {}
+    for budget in (2**40, 16384, 8192, 4096):
+        state = SequenceState(runner, rows_n, length + 64, prefill_chunk_tokens=budget)
+        times = []
+        with torch.inference_mode():
+            for _ in range(3):
+                state.release(rows)
+                state.load_prompts(rows, prompts)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                began = time.perf_counter()
+                step = state.forward(rows, last_only=True)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - began)
+                peak = torch.cuda.max_memory_allocated() - base
+            last[budget] = step.logits[:, 0].float()
+            state.release(rows)
+        ms = sorted(times)[1] * 1e3
+        label = "one forward" if budget == 2**40 else f"chunks of {budget} tokens"
+        tok_s = sum(lengths) / ms * 1e3
+        say(f"prefill {sum(lengths)} tokens ({rows_n} rows, {min(lengths)}..{max(lengths)}) in {label}: {ms:.1f} ms "
+            f"({tok_s:.0f} tok/s), peak activations {peak / 2**30:.2f} GiB")  # fmt: skip
+        out[label] = {"ms": ms, "tok_s": tok_s, "peak_gib": peak / 2**30}
+    whole = last[2**40]
+    for budget, logits in last.items():
+        if budget != 2**40:
+            same = (logits.argmax(-1) == whole.argmax(-1)).float().mean().item()
+            diff = (logits - whole).abs().max().item()
+            say(f"chunks of {budget} vs one forward: last-token argmax equal {same:.0%}, max |logit diff| {diff:.3g}")
+            out[f"agree_{budget}"] = {"argmax_equal": same, "max_abs_diff": diff}
+    del model, runner, tables
+    gc.collect()
+    torch.cuda.empty_cache()
+    # chunks narrow enough to replay decode/verify graphs (a replay's outputs are reused buffers)
+    stacks = tiny_stack_configs(Path(tempfile.mkdtemp()))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(80) for _ in range(n)] for n in (1, 9, 40, 23)]
+    for name, config in stacks.items():
+        config = {**config, "engine": {"prefill_chunk_tokens": 24}}  # 4 rows: 6 tokens per row and chunk
+        same, n, syncs = greedy_cuda_vs_cpu(config, prompts, 16)
+        say(f"tiny {name}, prompts of 1..40 tokens in chunks of 24 tokens: CUDA greedy == CPU {n}/{len(prompts)}, "
+            f"syncs {syncs or 'none'}")  # fmt: skip
+        out[f"tiny_{name}"] = {"greedy_equal": same, "syncs": syncs}
+    results["prefill"] = out
+
+
+def check_verify_gemm_routes() -> None:
+    say("== cuBLAS routes for verify-sized GEMMs, Qwen3-32B matrices (4 copies each, chained in a graph) ==")
+    import torch.nn.functional as F
+
+    bw = copy_bandwidth(torch.device("cuda"))
+    shapes = {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (51200, 5120), "down": (5120, 25600)}
+    out = {}
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        wts = [w.t().contiguous().t() for w in ws]  # the same matrix stored [K, N] (column-major view)
+        read_ms = 4 * n * k * 2 / bw * 1e3
+        for m in (72, 144):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            routes = {
+                "x@W^T": lambda: [F.linear(x, w) for w in ws],
+                "(W@x^T)^T": lambda: [torch.mm(w, x.t()).t().contiguous() for w in ws],
+                "x@Wt (W stored KxN)": lambda: [torch.mm(x, w) for w in [t.t() for t in wts]],
+                "pad 192": lambda: [F.linear(F.pad(x, (0, 0, 0, 192 - m)), w)[:m] for w in ws],
+                "pad 256": lambda: [F.linear(F.pad(x, (0, 0, 0, 256 - m)), w)[:m] for w in ws],
+            }
+            for label, fn in routes.items():
+                try:
+                    ms = graph_ms(fn)
+                except Exception as e:  # a route cuBLAS refuses must not hide the others
+                    say(f"  {name} M={m} {label}: failed ({type(e).__name__}: {e})")
+                    continue
+                say(f"  {name} [{n}x{k}] M={m} {label}: {ms / 4 * 1e3:.0f} us per matrix, "
+                    f"{read_ms / ms:.0%} of copy")  # fmt: skip
+                out[f"{name}/{m}/{label}"] = {"ms": ms / 4, "of_copy": read_ms / ms}
+    results["verify_gemm_routes"] = out
+
+
 def one_row_runner_8b(slots: int) -> tuple[ModelRunner, BlockTables, torch.Tensor, torch.Tensor]:
     """A Qwen3-8B-shaped runner (random bf16, Triton, CUDA graphs) for one row; (runner, tables, rows, one)."""
     cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
@@ -553,43 +647,72 @@ def one_row_runner_8b(slots: int) -> tuple[ModelRunner, BlockTables, torch.Tenso
     return runner, tables, rows, torch.ones(1, dtype=torch.int64, device="cuda")
 
 
-def check_profile() -> None:
-    say("== one 8B decode step, by kernel (torch.profiler, graph replay) ==")
+def profile_forward(shape: str, rows_n: int, width: int, context: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """GPU time of one forward (graph replay) of `rows_n` rows x `width` new tokens after `context` tokens of the
+    random bf16 `shape`, by kernel (torch.profiler): (weight read ms, {kernel: (us per forward, launches)})."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner, tables, rows, one = one_row_runner_8b(4096)
-    model = runner.module
+    cfg = DecoderConfig.from_hf(hf_config(shape))
+    tables = BlockTables(SlotAllocator(rows_n * (context + 64), "cuda"), rows_n, context + 64)
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    rows = torch.arange(rows_n, device="cuda")
+    full = torch.full((rows_n,), width, device="cuda")
+    tokens = torch.randint(0, 1000, (rows_n, width), device="cuda")
+
+    def step():  # the same tokens again and again, rolled back after each forward
+        runner.forward(runner.new_tokens(rows, tokens, full, context + width), True)
+        tables.rollback(rows, full, width)
+
     with torch.inference_mode():
-        runner.forward(runner.new_tokens(rows, torch.randint(0, 1000, (1, 200), device="cuda"), one * 200, 200), True)
+        prompt = torch.randint(0, 1000, (rows_n, context), device="cuda")
+        runner.forward(runner.new_tokens(rows, prompt, torch.full((rows_n,), context, device="cuda"), context), True)
         for _ in range(3):
-            runner.forward(runner.new_tokens(rows, torch.randint(0, 1000, (1, 1), device="cuda"), one, 260), True)
+            step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                runner.forward(runner.new_tokens(rows, torch.randint(0, 1000, (1, 1), device="cuda"), one, 260), True)
+                step()
             torch.cuda.synchronize()
-    groups: dict[str, float] = {}
-    for e in prof.key_averages():
-        name = e.key
-        kind = (
-            "gemm" if any(s in name.lower() for s in ("gemm", "gemv", "linear", "sm90", "cutlass", "nvjet")) else
-            "attention" if "attention" in name or "combine" in name else
-            "norm" if "rms" in name else "qkv/rope" if "qkv" in name else "silu" if "silu" in name else name[:40]
-        )  # fmt: skip
-        groups[kind] = groups.get(kind, 0.0) + e.device_time_total / 5
-    total = sum(groups.values())
-    say(f"GPU time per decode step {total / 1e3:.2f} ms; weight read at roofline "
-        f"{weight_bytes(model) / copy_bandwidth(torch.device('cuda')) * 1e3:.2f} ms")  # fmt: skip
-    for kind, us in sorted(groups.items(), key=lambda kv: -kv[1])[:12]:
-        say(f"  {kind:<42}{us / 1e3:8.3f} ms {us / total:6.1%}")
-    results["profile_us"] = groups
-    # forwards back to back (graph replays and their input copies, no sampling or driver): the time a step
-    # takes beyond its kernels here is the gaps inside the replay, the rest of a generate() step is outside it
-    tokens = torch.randint(0, 1000, (1, 1), device="cuda")
-    with torch.inference_mode():
-        replay = timed(lambda: [runner.forward(runner.new_tokens(rows, tokens, one, 260), True) for _ in range(100)])
-    say(f"100 decode forwards back to back: {replay * 10:.2f} ms each (kernels {total / 1e3:.2f} ms)")
-    results["replay_ms"] = replay * 10
+        import triton
+
+        wall_ms = triton.testing.do_bench(step, return_mode="median")
+    kernels = {e.key: (e.device_time_total / 5, e.count // 5) for e in prof.key_averages() if e.device_time_total > 0}
+    read_ms = weight_bytes(model) / copy_bandwidth(torch.device("cuda")) * 1e3
+    return read_ms, wall_ms, kernels
+
+
+def say_profile(label: str, read_ms: float, wall_ms: float, kernels: dict[str, tuple[float, int]]) -> None:
+    """Under PDL a kernel's time includes its wait for the one before it: the sums overlap."""
+    total = sum(us for us, _ in kernels.values())
+    say(f"{label}: {wall_ms:.3f} ms per forward (kernels summed {total / 1e3:.2f} ms); weight read {read_ms:.2f} ms")
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:14]:
+        say(f"  {name[:60]:<60}{us / 1e3:8.3f} ms {us / total:6.1%}  x{n}")
+
+
+def check_profile() -> None:
+    say("== one 8B decode step, by kernel (torch.profiler, graph replay) ==")
+    read_ms, wall_ms, kernels = profile_forward("qwen3-8b", 1, 1, 259)
+    say_profile("8B, 1 row", read_ms, wall_ms, kernels)
+    results["profile_us"] = kernels
+
+
+def check_profile_smc() -> None:
+    """With PDL a kernel's profiled time includes its wait for the previous one; without it each kernel's own
+    time shows (and the difference in wall time is what PDL saves)."""
+    from hsmc.ops import pdl
+
+    say("== the forwards of an SMC cycle (N=8, K=8), by kernel (torch.profiler, graph replay), with / without PDL ==")
+    for use_pdl in (True, False):
+        pdl.pdl_supported.cache_clear()
+        if not use_pdl:
+            pdl.pdl_supported = functools.cache(lambda device: False)
+        for shape, width, label in (("qwen3-8b", 1, "8B proposal step, 8 x 1"), ("qwen3-32b", 9, "32B verify, 8 x 9")):
+            read_ms, wall_ms, kernels = profile_forward(shape, 8, width, 259)
+            say_profile(f"{label}, PDL {'on' if use_pdl else 'off'}", read_ms, wall_ms, kernels)
+            results[f"profile_smc_{shape}_pdl_{use_pdl}"] = {"wall_ms": wall_ms, "kernels": kernels}
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 # -- FP8 weights, the streaming loader and auto-sized KV (issue 12) ---------------------------------------
@@ -1564,11 +1687,14 @@ def main() -> None:
         "tiny": check_tiny,
         "smollm2": lambda: check_smollm2(args.gguf) if args.gguf else say("smollm2: no --gguf given, skipped"),
         "profile": check_profile,
+        "profilesmc": check_profile_smc,
         "capture": check_capture_time,
         "sync8b": check_sync_8b,
         "attnvar": check_attention_variants,
         "bench": check_bench,
         "verify": check_verify,
+        "prefill": check_prefill,
+        "verifygemm": check_verify_gemm_routes,
         "smcsync": check_smc_sync,
         "smcbench": check_smc_bench,
         "fp8gemm": check_fp8_gemm,

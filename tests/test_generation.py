@@ -150,7 +150,7 @@ def test_a_second_call_runs_forwards_as_narrow_as_the_first(tmp_path, top, monke
     forward = SequenceState.forward
 
     def recording(state, rows, leave_last=False, last_only=False):
-        widths.append((id(state), state.prompt_bound or state.pending_bound))
+        widths.append((id(state), max(state.prompt_lengths, default=0) or state.pending_bound))
         return forward(state, rows, leave_last, last_only)
 
     monkeypatch.setattr(SequenceState, "forward", recording)

@@ -153,6 +153,8 @@ def test_config_errors_name_the_key(tmp_path):
         load_config({"levels": [{"model": "m"}]}, ["generation.max_new_tokens=many"])
     with pytest.raises(ConfigError, match="engine.kv_capacity_tokens must be positive"):
         load_config({"levels": [{"model": "m"}], "engine": {"kv_capacity_tokens": 0}})
+    with pytest.raises(ConfigError, match="engine.prefill_chunk_tokens must be positive, got -8"):
+        load_config({"levels": [{"model": "m"}]}, ["engine.prefill_chunk_tokens=-8"])
     with pytest.raises(ConfigError, match="levels\\[0\\].dtype='int4'"):
         load_config({"levels": [{"model": "m", "dtype": "int4"}]})
     with pytest.raises(ConfigError, match="levels\\[0\\].dtype='fp8' is for decoder models"):

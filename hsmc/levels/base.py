@@ -182,16 +182,32 @@ class TokenRows:
         self.seq[dst_rows, :width], self.seq_len[dst_rows] = seq, seq_len
 
 
+def _place(
+    out: torch.Tensor | None, rows: int, width: int, index: torch.Tensor, offset: int, part: torch.Tensor
+) -> torch.Tensor:
+    """Copy part [r, w, ...] into out[index, offset : offset + w] (out [rows, width, ...], zeros at first)."""
+    if out is None:
+        out = part.new_zeros(rows, width, *part.shape[2:])
+    out[index, offset : offset + part.shape[1]] = part
+    return out
+
+
+def _empty_step(rows: torch.Tensor, count: torch.Tensor, start: torch.Tensor) -> StepOutput:
+    """A forward with nothing to process."""
+    return StepOutput(torch.empty(len(rows), 0, 0, device=rows.device), count, start, None)
+
+
 class SequenceState(TokenRows):
     """One model's rows: token sequences, KV through the runner's block tables, and the forward over
     pending tokens, timed per level."""
 
-    def __init__(self, runner: ModelRunner, max_rows: int, capacity: int) -> None:
+    def __init__(self, runner: ModelRunner, max_rows: int, capacity: int, prefill_chunk_tokens: int = 8192) -> None:
         super().__init__(max_rows, capacity, runner.device)
         self.runner = runner
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # engine.prefill_chunk_tokens
         self.timer = ForwardTimer(runner.device)
         self.pending_bound = 0
-        self.prompt_bound = 0  # longest prompt loaded since the last forward: that forward is their prefill
+        self.prompt_lengths: list[int] = []  # of the prompts loaded since the last forward: it is their prefill
 
     @property
     def kv_len(self) -> torch.Tensor:
@@ -199,7 +215,7 @@ class SequenceState(TokenRows):
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         super().load_prompts(rows, prompts)
-        self.prompt_bound = max(self.prompt_bound, max(len(p) for p in prompts))
+        self.prompt_lengths = [len(p) for p in prompts]
 
     def bound_lengths(self, bound: int) -> None:
         super().bound_lengths(bound)
@@ -219,25 +235,65 @@ class SequenceState(TokenRows):
         """Process each row's pending tokens (all but the last with `leave_last`); logits at every processed
         position, or only at each row's last with `last_only`.
 
-        The forward after `load_prompts` is the prefill of those rows alone: it is as wide as their longest
-        prompt, and rows decoding beside them (continuous batching) keep their pending tokens and bound.
-        Any other forward covers every row that has pending tokens."""
+        The forward after `load_prompts` is the prefill of those rows alone (the rows loaded, in that order):
+        rows decoding beside them (continuous batching) keep their pending tokens and bound. It runs as
+        forwards of at most `prefill_chunk_tokens` tokens (`_prefill_chunks`), so its activations stay that
+        small however long the prompts are. Any other forward covers every row that has pending tokens, in
+        one forward."""
         leave = 1 if leave_last else 0
         end = self.seq_len[rows] - leave
         start = self.kv_len[rows]
         count = (end - start).clamp_min(0)
-        if self.prompt_bound:
-            width, self.prompt_bound = self.prompt_bound - leave, 0
+        if self.prompt_lengths:
+            if len(self.prompt_lengths) != len(rows):
+                raise ValueError(f"a prefill of {len(rows)} rows after loading {len(self.prompt_lengths)} prompts")
+            counts, self.prompt_lengths = [max(n - leave, 0) for n in self.prompt_lengths], []
             self.pending_bound = max(self.pending_bound, leave)
-        else:
-            width, self.pending_bound = self.pending_bound - leave, leave
-        if width <= 0:  # e.g. prefilling one-token prompts: everything stays pending
-            empty = torch.empty(len(rows), 0, 0, device=rows.device)
-            return StepOutput(empty, count, start, None)
+            return self._prefill_chunks(rows, start, count, counts, last_only)
+        width, self.pending_bound = self.pending_bound - leave, leave
+        if width <= 0:
+            return _empty_step(rows, count, start)
+        logits, features = self._run(rows, start, count, width, last_only)
+        return StepOutput(logits, count, start, features)
+
+    def _run(
+        self, rows: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int, last_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over seq[start : start + count] of each row, padded to `width`: (logits, features)."""
         tokens = self.window(rows, start, count, width)
         with self.timer():
             batch = self.runner.new_tokens(rows, tokens, count, self.len_bound)
-            logits, features = self.runner.forward(batch, last_only)
+            return self.runner.forward(batch, last_only)
+
+    def _prefill_chunks(
+        self, rows: torch.Tensor, start: torch.Tensor, count: torch.Tensor, counts: list[int], last_only: bool
+    ) -> StepOutput:
+        """The prefill as forwards of at most `prefill_chunk_tokens` tokens. Each takes only the rows with prompt
+        tokens left (`counts`: their number, known on the host) and as many columns as the budget gives them, so
+        prompts of different lengths are not all padded to the longest. Outputs are copied out of each forward
+        (a replayed graph reuses its buffers)."""
+        width = max(counts, default=0)
+        if width <= 0:  # e.g. one-token prompts with `leave_last`: everything stays pending
+            return _empty_step(rows, count, start)
+        logits = features = None
+        offset = 0
+        while offset < width:
+            active = [i for i, n in enumerate(counts) if n > offset]
+            w = min(max(1, self.prefill_chunk_tokens // len(active)), width - offset)
+            if len(active) == len(rows) and w == width:  # the whole prefill in one forward
+                logits, features = self._run(rows, start, count, width, last_only)
+                return StepOutput(logits, count, start, features)
+            index = upload(torch.tensor(active), rows.device)
+            part_logits, part_features = self._run(
+                rows[index], start[index] + offset, (count[index] - offset).clamp(0, w), w, last_only
+            )
+            if last_only:  # an active row's logits are overwritten until its last chunk
+                logits = _place(logits, len(rows), 1, index, 0, part_logits)
+            else:
+                logits = _place(logits, len(rows), width, index, offset, part_logits)
+            if part_features is not None:
+                features = _place(features, len(rows), width, index, offset, part_features)
+            offset += w
         return StepOutput(logits, count, start, features)
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:

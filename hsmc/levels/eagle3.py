@@ -42,6 +42,7 @@ class Eagle3Level:
         temperature: float,
         generator: torch.Generator,
         feature_window: int = 64,
+        prefill_chunk_tokens: int = 8192,
     ) -> None:
         """`max_new_pairs`: most pairs one verify commits (γ + 1 under a rejection level with γ drafts).
         `max_bridged`: most pairs that may lack the verifier's feature after an accept from further up: one
@@ -57,6 +58,7 @@ class Eagle3Level:
         self.timer = ForwardTimer(device)
         h, dtype = cfg.hidden_size, self.head.fc.weight.dtype
         self.window = feature_window
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # engine.prefill_chunk_tokens
         self.features = torch.zeros(max_rows, feature_window + 1, 3 * h, dtype=dtype, device=device)  # + trash
         self.feature_len = torch.zeros(max_rows, dtype=torch.int64, device=device)  # features known below it
         # head output at the last feature-based pair, and at the end of the head's KV (where drafting goes on)
@@ -85,7 +87,12 @@ class Eagle3Level:
         upto = self.state.seq_len[rows] - 1
         if features.features is not None:
             self._store(rows, features, upto)
-            self._process_pairs(rows, upto, features.features.shape[1], prompt_features=features.features)
+            width = features.features.shape[1]
+            chunk = max(1, self.prefill_chunk_tokens // len(rows))  # like the verifier's prefill
+            for offset in range(0, width, chunk):
+                w = min(chunk, width - offset)
+                part = features.features[:, offset : offset + w]
+                self._process_pairs(rows, upto.clamp_max(offset + w), w, prompt_features=part)
         self.last_hidden[rows], self.last_logits[rows] = self.final_hidden[rows], self.final_logits[rows]
 
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
@@ -177,7 +184,7 @@ class Eagle3Level:
         """Run the head over pairs (f_t, x_{t+1}) for t in [final_len, upto) (at most `width` of them); the
         output at the last one becomes the final and the last output (rows with no new pair keep their final
         one). Features come from the ring, or for the prompt (which may be longer than the ring) straight
-        from the verifier's prefill output, whose positions start at 0 like the pairs."""
+        from the verifier's prefill output (a chunk of it, from the first pair not processed yet)."""
         if width <= 0:
             return
         start = self.final_len[rows]

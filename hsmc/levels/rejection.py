@@ -63,7 +63,7 @@ class RejectionLevel:
         self.acknowledged[rows] = self.state.seq_len[rows]
 
     def prefill(self, rows: torch.Tensor, features: StepOutput | None = None) -> None:
-        step = self.state.forward(rows, leave_last=True)
+        step = self.state.forward(rows, leave_last=True, last_only=True)  # the drafter reads features, not logits
         self.drafter.prefill(rows, step if self.drafter.feature_layers else None)
 
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:

@@ -127,7 +127,12 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
                 )
             block = above.block_size if above.kind == "smc" else above.num_draft_tokens
             pairs, bridged = block + 1, len(cfg.levels) - 2  # one per level above the verifier
-            levels.append(Eagle3Level(runner, embed, layers, rows, capacity, pairs, bridged, lc.temperature, generator))
+            levels.append(
+                Eagle3Level(
+                    runner, embed, layers, rows, capacity, pairs, bridged, lc.temperature, generator,
+                    prefill_chunk_tokens=cfg.engine.prefill_chunk_tokens,
+                )
+            )  # fmt: skip
             vocabularies.append((head.config.vocab_size, None))
             continue
         model = model_of(lc)
@@ -137,7 +142,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
         runner = ModelRunner(
             model.model, tables(), backend, model.model.config.num_layers, cuda_graphs=graphs, capture=capture
         )
-        state = SequenceState(runner, rows, capacity)
+        state = SequenceState(runner, rows, capacity, cfg.engine.prefill_chunk_tokens)
         if lc.kind == "model":
             levels.append(ModelLevel(state, lc.temperature, generator))
         elif lc.kind == "rejection":
