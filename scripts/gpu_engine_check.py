@@ -490,6 +490,53 @@ def check_attention_variants() -> None:
     results["attention_variants"] = out
 
 
+def check_verify_attention() -> None:
+    """Verify-shaped attention (9 query tokens per row; the 32B's G = 8 and the 8B's G = 4) over launch variants,
+    each timed as 16 calls replayed in one graph (a Python launch would take longer than the kernel)."""
+    from hsmc.ops.paged_attention import AttentionPlan
+
+    say("== verify attention variants (us per call; d 128, bf16, 9 tokens per row) ==")
+    rng = random.Random(6)
+    out = {}
+    cases = [(64, rows, context) for rows in (8, 16) for context in (268, 1100, 2200, 4400)]
+    cases += [(32, 8, context) for context in (268, 1100, 4400)]
+    for heads, rows, context in cases:
+        group = heads // 8
+        slots = (rows + 1) * (context + 10) + 7
+        batch = ragged_batch(rng, rows, 9, context, slots)
+        batch = ForwardBatch(**{**batch.__dict__, "start": torch.full_like(batch.start, context - 9)})
+        batch = ForwardBatch(**{**batch.__dict__, "num_new": torch.full_like(batch.num_new, 9)})
+        cache = KVCache(1, slots, 8, 128, torch.bfloat16, "cuda")
+        cache.data.normal_()
+        q = torch.randn(rows, 9, heads, 128, dtype=torch.bfloat16, device="cuda")
+        keys, values = cache.keys(0), cache.values(0)
+
+        def attend(plan, batch=batch, q=q, keys=keys, values=values):
+            return paged_attention(q, keys, values, batch.table, batch.rows, batch.start, batch.num_new, plan)
+
+        def calls(plan):
+            return lambda: [attend(plan) for _ in range(16)]
+
+        current = plan_attention(rows, 9, context, heads, 8, 132)
+        reference = attend(current)
+        timings = {}
+        for splits in (1, 2, 4, 8):
+            for block_n in (32, 64, 128):
+                for warps in (4, 8):
+                    plan = AttentionPlan(current.block_t, current.block_m, splits, block_n, warps)
+                    if not torch.allclose(attend(plan).float(), reference.float(), atol=2e-2, rtol=2e-2):
+                        say(f"  H{heads} R{rows} L{context} {plan}: differs from the planner's output, skipped")
+                        continue
+                    timings[(splits, block_n, warps)] = graph_ms(calls(plan)) / 16 * 1e3
+        now = graph_ms(calls(current)) / 16 * 1e3
+        ranked = sorted(timings, key=timings.get)[:4]
+        say(f"G{group} R{rows:<3} L{context:<5} planner t{current.block_t} {current.splits}x{current.block_n}/"
+            f"{current.num_warps}w {now:6.1f} us; best (splits, block_n, warps): "
+            + ", ".join(f"{k} {timings[k]:.1f}" for k in ranked))  # fmt: skip
+        out[f"G{group} R{rows} L{context}"] = {str(k): v for k, v in timings.items()} | {"planner": now}
+    results["verify_attention"] = out
+
+
 def check_capture_time() -> None:
     cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
     model = random_model(cfg, torch.bfloat16, "cuda")
@@ -1691,6 +1738,7 @@ def main() -> None:
         "capture": check_capture_time,
         "sync8b": check_sync_8b,
         "attnvar": check_attention_variants,
+        "verifyattn": check_verify_attention,
         "bench": check_bench,
         "verify": check_verify,
         "prefill": check_prefill,

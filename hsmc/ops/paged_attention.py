@@ -212,15 +212,22 @@ def plan_attention(
     decodeattn`), where attention sits on the chain of dependent kernels: a decode row's latency is its
     longest split, so while programs are few it splits into about 64 keys (blocks of 64) up to 512 keys,
     ~256 keys (blocks of 128) beyond; 8 splits at 260 keys took 0.16 ms less per forward than one. With more
-    programs (16 rows) and for rows of several query blocks (verify, prefill) it splits only past 512 keys
-    (standalone `--sections attnvar`; at 16 rows the finer split cost 4 % of decode speed)."""
+    programs (16 rows) it splits only past 512 keys (standalone `--sections attnvar`; at 16 rows the finer
+    split cost 4 % of decode speed). Rows of several query blocks (verify, prefill) take key blocks of 64 and
+    split into at most one wave of programs (2 per SM) and at least 512 keys per split: over 9 query tokens
+    per row (`--sections verifyattn`, G = 4 and 8, 8 and 16 rows, 268-4400 keys) that was the fastest
+    setting or within 7 % of it, where the earlier rule (blocks of 128, ~256 keys per split up to 2 programs
+    per SM) was 1.1-1.9x slower."""
     group = num_heads // num_kv_heads
     one_block = tokens * group <= 16  # a row's queries fill one tile
     block_t = max(1, 16 // group) if one_block else min(triton.next_power_of_2(tokens), max(1, 64 // group))
     block_m = max(16, triton.next_power_of_2(block_t * group))
     programs = rows * num_kv_heads * triton.cdiv(tokens, block_t)
+    if not one_block:
+        splits = min(_power_of_two_at_most(2 * sm_count // programs), _power_of_two_at_most(max_context // 512))
+        return AttentionPlan(block_t, block_m, min(16, splits), block_n=64, num_warps=4)
     by_occupancy = triton.next_power_of_2(max(1, triton.cdiv(2 * sm_count, programs)))
-    if one_block and rows * num_kv_heads <= sm_count // 2:  # few programs: latency decides
+    if rows * num_kv_heads <= sm_count // 2:  # few programs: latency decides
         keys_per_split = 64 if max_context <= 512 else 256
         by_context = triton.next_power_of_2(triton.cdiv(max_context, keys_per_split))
     else:
@@ -228,6 +235,11 @@ def plan_attention(
         by_context = 1 if max_context <= 512 else triton.next_power_of_2(triton.cdiv(max_context, 256))
     block_n = 64 if keys_per_split <= 64 else 128
     return AttentionPlan(block_t, block_m, min(16, by_occupancy, by_context), block_n=block_n, num_warps=4)
+
+
+def _power_of_two_at_most(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1)."""
+    return 1 << (max(n, 1).bit_length() - 1)
 
 
 def paged_attention(
