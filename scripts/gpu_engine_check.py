@@ -44,6 +44,15 @@ fewlinears the qwen3-8b and qwen3-32b decoder-layer Linears (bf16) at 1, 2, 4, 8
          settings, and the whole 8B forward at 1..16 rows with the few-row kernels and with cuBLAS.
 decodeattn the whole qwen3-8b one-row forward (graph replay) with the attention plan forced to each split / key
          block / warps setting, at 260 and 2000 keys.
+attnvar  decode attention (one query token per row; G = 4 and 8, 8-32 rows, 300-4400 keys) and
+verifyattn verify attention (9 tokens per row; 268-4400 keys): the planner's plan against every split / key block /
+         warps setting, 16 calls replayed in one graph each.
+profilesmc the 8B proposal step (8 rows) and the 32B verify (8 x 9) of an SMC cycle by kernel (torch.profiler),
+         with and without PDL.
+prefill  chunked prefill of 8 prompts of 512..4096 tokens on the 8B shape at several chunk budgets (time, peak
+         activations, last logits against one forward); tiny stacks with chunks that replay decode graphs, CUDA
+         greedy == CPU.
+verifygemm cuBLAS routes (x·Wᵀ, W·xᵀ, the weight stored [K, N], padded tokens) for the 32B's Linears at 72 and 144.
 `--device cpu --tiny` runs the fp8 sections at small shapes on the CPU (a dry run; the suite does it).
 Results are printed and written to DIR (results.json, summary.txt).
 """
@@ -455,60 +464,36 @@ def check_sync_8b() -> None:
 
 
 def check_attention_variants() -> None:
-    """Decode-shaped attention (G = 4) over launch variants: splits x key block x warps, to set the planner."""
-    import triton
-
-    from hsmc.ops.paged_attention import AttentionPlan
-
-    say("== decode attention variants (us; H 32 / KV 8, d 128, bf16) ==")
-    rng = random.Random(5)
-    out = {}
-    for rows, context in ((1, 300), (1, 1200), (1, 4000), (4, 300), (16, 300), (16, 2000)):
-        slots = (rows + 1) * (context + 1) + 7
-        batch = ragged_batch(rng, rows, 1, context, slots)
-        batch = ForwardBatch(**{**batch.__dict__, "start": torch.full_like(batch.start, context - 1)})
-        cache = KVCache(1, slots, 8, 128, torch.bfloat16, "cuda")
-        cache.data.normal_()
-        q = torch.randn(rows, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
-        keys, values = cache.keys(0), cache.values(0)
-        timings = {}
-        for splits in (1, 2, 4, 8, 16):
-            for block_n in (32, 64, 128):
-                for warps in (2, 4, 8):
-                    plan = AttentionPlan(4, 16, splits, block_n, warps)
-                    fn = lambda p=plan: paged_attention(  # noqa: E731
-                        q, keys, values, batch.table, batch.rows, batch.start, batch.num_new, p
-                    )
-                    timings[(splits, block_n, warps)] = triton.testing.do_bench(fn, return_mode="median") * 1e3
-        current = plan_attention(rows, 1, context, 32, 8, 132)
-        fn = lambda: paged_attention(q, keys, values, batch.table, batch.rows, batch.start, batch.num_new, current)  # noqa: E731
-        now = triton.testing.do_bench(fn, return_mode="median") * 1e3
-        best = min(timings, key=timings.get)
-        say(f"R{rows:<3} L{context:<5} planner {current.splits}x{current.block_n}/{current.num_warps}w {now:6.1f} us; "
-            f"best splits {best[0]} block {best[1]} warps {best[2]}: {timings[best]:6.1f} us")  # fmt: skip
-        out[f"R{rows} L{context}"] = {str(k): v for k, v in timings.items()} | {"planner": now}
-    results["attention_variants"] = out
+    """Decode-shaped attention (one query token per row; G = 4 as the 8B, 8 as the 32B) over launch variants."""
+    cases = [(32, 8, 1100), (32, 8, 4400), (32, 16, 300), (32, 16, 2000), (32, 16, 4096), (32, 32, 2000)]
+    cases += [(64, 8, 1100), (64, 16, 4096)]
+    results["attention_variants"] = time_attention_plans("decode", 1, cases, warps=(2, 4, 8))
 
 
 def check_verify_attention() -> None:
-    """Verify-shaped attention (9 query tokens per row; the 32B's G = 8 and the 8B's G = 4) over launch variants,
-    each timed as 16 calls replayed in one graph (a Python launch would take longer than the kernel)."""
-    from hsmc.ops.paged_attention import AttentionPlan
-
-    say("== verify attention variants (us per call; d 128, bf16, 9 tokens per row) ==")
-    rng = random.Random(6)
-    out = {}
+    """Verify-shaped attention (9 query tokens per row) over launch variants."""
     cases = [(64, rows, context) for rows in (8, 16) for context in (268, 1100, 2200, 4400)]
     cases += [(32, 8, context) for context in (268, 1100, 4400)]
+    results["verify_attention"] = time_attention_plans("verify", 9, cases, warps=(4, 8))
+
+
+def time_attention_plans(label: str, tokens: int, cases: list[tuple[int, int, int]], warps: tuple[int, ...]) -> dict:
+    """For each (query heads, rows, keys) with 8 KV heads of 128 (bf16): the planner's plan against every split x
+    key block x warps, each timed as 16 calls replayed in one graph (a Python launch would take longer than the
+    kernel), checked against the planner's output."""
+    from hsmc.ops.paged_attention import AttentionPlan
+
+    say(f"== {label} attention variants (us per call; d 128, bf16, {tokens} query tokens per row) ==")
+    rng = random.Random(6)
+    out = {}
     for heads, rows, context in cases:
-        group = heads // 8
         slots = (rows + 1) * (context + 10) + 7
-        batch = ragged_batch(rng, rows, 9, context, slots)
-        batch = ForwardBatch(**{**batch.__dict__, "start": torch.full_like(batch.start, context - 9)})
-        batch = ForwardBatch(**{**batch.__dict__, "num_new": torch.full_like(batch.num_new, 9)})
+        batch = ragged_batch(rng, rows, tokens, context, slots)
+        start, num_new = torch.full_like(batch.start, context - tokens), torch.full_like(batch.num_new, tokens)
+        batch = ForwardBatch(**{**batch.__dict__, "start": start, "num_new": num_new})
         cache = KVCache(1, slots, 8, 128, torch.bfloat16, "cuda")
         cache.data.normal_()
-        q = torch.randn(rows, 9, heads, 128, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(rows, tokens, heads, 128, dtype=torch.bfloat16, device="cuda")
         keys, values = cache.keys(0), cache.values(0)
 
         def attend(plan, batch=batch, q=q, keys=keys, values=values):
@@ -517,24 +502,25 @@ def check_verify_attention() -> None:
         def calls(plan):
             return lambda: [attend(plan) for _ in range(16)]
 
-        current = plan_attention(rows, 9, context, heads, 8, 132)
+        current = plan_attention(rows, tokens, context, heads, 8, 132)
         reference = attend(current)
         timings = {}
-        for splits in (1, 2, 4, 8):
+        for splits in (1, 2, 4, 8, 16):
             for block_n in (32, 64, 128):
-                for warps in (4, 8):
-                    plan = AttentionPlan(current.block_t, current.block_m, splits, block_n, warps)
+                for w in warps:
+                    plan = AttentionPlan(current.block_t, current.block_m, splits, block_n, w)
                     if not torch.allclose(attend(plan).float(), reference.float(), atol=2e-2, rtol=2e-2):
                         say(f"  H{heads} R{rows} L{context} {plan}: differs from the planner's output, skipped")
                         continue
-                    timings[(splits, block_n, warps)] = graph_ms(calls(plan)) / 16 * 1e3
+                    timings[(splits, block_n, w)] = graph_ms(calls(plan)) / 16 * 1e3
         now = graph_ms(calls(current)) / 16 * 1e3
         ranked = sorted(timings, key=timings.get)[:4]
-        say(f"G{group} R{rows:<3} L{context:<5} planner t{current.block_t} {current.splits}x{current.block_n}/"
-            f"{current.num_warps}w {now:6.1f} us; best (splits, block_n, warps): "
+        kv_gbs = rows * context * 8 * 128 * 2 * 2 / (now * 1e-6) / 1e9
+        say(f"G{heads // 8} R{rows:<3} L{context:<5} planner t{current.block_t} {current.splits}x{current.block_n}/"
+            f"{current.num_warps}w {now:6.1f} us ({kv_gbs:.0f} GB/s of K/V); best (splits, block_n, warps): "
             + ", ".join(f"{k} {timings[k]:.1f}" for k in ranked))  # fmt: skip
-        out[f"G{group} R{rows} L{context}"] = {str(k): v for k, v in timings.items()} | {"planner": now}
-    results["verify_attention"] = out
+        out[f"G{heads // 8} R{rows} L{context}"] = {str(k): v for k, v in timings.items()} | {"planner": now}
+    return out
 
 
 def check_capture_time() -> None:

@@ -211,13 +211,16 @@ def plan_attention(
     Measured on an H200 inside the Qwen3-8B one-row forward (`scripts/gpu_engine_check.py --sections
     decodeattn`), where attention sits on the chain of dependent kernels: a decode row's latency is its
     longest split, so while programs are few it splits into about 64 keys (blocks of 64) up to 512 keys,
-    ~256 keys (blocks of 128) beyond; 8 splits at 260 keys took 0.16 ms less per forward than one. With more
-    programs (16 rows) it splits only past 512 keys (standalone `--sections attnvar`; at 16 rows the finer
-    split cost 4 % of decode speed). Rows of several query blocks (verify, prefill) take key blocks of 64 and
-    split into at most one wave of programs (2 per SM) and at least 512 keys per split: over 9 query tokens
-    per row (`--sections verifyattn`, G = 4 and 8, 8 and 16 rows, 268-4400 keys) that was the fastest
-    setting or within 7 % of it, where the earlier rule (blocks of 128, ~256 keys per split up to 2 programs
-    per SM) was 1.1-1.9x slower."""
+    ~256 keys beyond; 8 splits at 260 keys took 0.16 ms less per forward than one. With more programs (16
+    rows) it splits only past 512 keys (at 16 rows the finer split cost 4 % of decode speed). Past 512 keys,
+    key blocks of 128 with 4 warps while there is at most one program per SM (one row: 2 % faster in the
+    forward at 2000 keys), else blocks of 64 with 2 warps (standalone `--sections attnvar`, 8-32 rows,
+    1100-4400 keys: 4-29 % faster than blocks of 128 with 4 warps at the same splits).
+
+    Rows of several query blocks (verify, prefill) take key blocks of 64 and split into at most one wave of
+    programs (2 per SM) and at least 512 keys per split: over 9 query tokens per row (`--sections
+    verifyattn`, G = 4 and 8, 8 and 16 rows, 268-4400 keys) that was the fastest setting or within 4 % of it,
+    where the earlier rule (blocks of 128, ~256 keys per split up to 2 programs per SM) was 1.1-1.9x slower."""
     group = num_heads // num_kv_heads
     one_block = tokens * group <= 16  # a row's queries fill one tile
     block_t = max(1, 16 // group) if one_block else min(triton.next_power_of_2(tokens), max(1, 64 // group))
@@ -227,14 +230,19 @@ def plan_attention(
         splits = min(_power_of_two_at_most(2 * sm_count // programs), _power_of_two_at_most(max_context // 512))
         return AttentionPlan(block_t, block_m, min(16, splits), block_n=64, num_warps=4)
     by_occupancy = triton.next_power_of_2(max(1, triton.cdiv(2 * sm_count, programs)))
-    if rows * num_kv_heads <= sm_count // 2:  # few programs: latency decides
-        keys_per_split = 64 if max_context <= 512 else 256
-        by_context = triton.next_power_of_2(triton.cdiv(max_context, keys_per_split))
+    few = rows * num_kv_heads <= sm_count // 2  # few programs: latency decides
+    if few:
+        by_context = triton.next_power_of_2(triton.cdiv(max_context, 64 if max_context <= 512 else 256))
     else:
-        keys_per_split = 256
         by_context = 1 if max_context <= 512 else triton.next_power_of_2(triton.cdiv(max_context, 256))
-    block_n = 64 if keys_per_split <= 64 else 128
-    return AttentionPlan(block_t, block_m, min(16, by_occupancy, by_context), block_n=block_n, num_warps=4)
+    splits = min(16, by_occupancy, by_context)
+    if max_context <= 512:
+        block_n, num_warps = (64 if few else 128), 4
+    elif programs * splits <= sm_count:  # at most one program per SM: each one wider
+        block_n, num_warps = 128, 4
+    else:
+        block_n, num_warps = 64, 2
+    return AttentionPlan(block_t, block_m, splits, block_n=block_n, num_warps=num_warps)
 
 
 def _power_of_two_at_most(n: int) -> int:
