@@ -70,6 +70,21 @@ def config(tiny, **engine):
     return load_config({"levels": levels, "engine": engine, "generation": {"max_new_tokens": 12}})
 
 
+def tiny_reserve(cfg) -> int:
+    """The reserve of a `config(tiny)` stack: both models are the tiny Llama in fp32, whose prefill holds
+    3 x 64 (stream) + 2 x 64 (q, attention out) + 2 x 32 (k, v) + 3 x 96 (gate, up, SiLU) = 672 floats per token."""
+    return reserve_bytes(cfg, VOCAB, prefill_activations=cfg.engine.prefill_chunk_tokens * 672 * 4)
+
+
+def test_a_larger_prefill_chunk_reserves_its_activations(tiny, monkeypatch):
+    per_token = (2 + 5) * 2 * 2 * 16 * 4 + 2 * 8 * 5  # KV of both models and their block-table columns
+    small, large = config(tiny, prefill_chunk_tokens=1024), config(tiny, prefill_chunk_tokens=1024 + 256)
+    free_after_weights = -(-(900 * per_token + tiny_reserve(small)) // (1 - MARGIN))
+    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: free_after_weights + stack_weights(tiny))
+    assert hsmc.preflight.estimated_kv_capacity(small) == 900
+    assert hsmc.preflight.estimated_kv_capacity(large) == 900 - -(-256 * 672 * 4 // per_token)
+
+
 def stack_weights(tiny) -> int:
     from hsmc.models.loading import load_model
 
@@ -82,7 +97,7 @@ def test_auto_pools_hold_what_the_free_memory_holds_and_preflight_predicts_it(ti
     # int64 block-table column per level for the 4 rows and the scratch row
     per_token = (2 + 5) * 2 * 2 * 16 * 4 + 2 * 8 * 5
     slots = 700  # below the 4 rows x 256 positions past which more slots are of no use
-    free_after_weights = -(-(slots * per_token + reserve_bytes(cfg, VOCAB)) // (1 - MARGIN))
+    free_after_weights = -(-(slots * per_token + tiny_reserve(cfg)) // (1 - MARGIN))
     weights = stack_weights(tiny)
     monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: free_after_weights + weights)
     monkeypatch.setattr(hsmc.levels.stack, "free_memory", lambda device: free_after_weights)
@@ -105,14 +120,14 @@ def test_too_little_memory_fails_before_loading_and_names_the_numbers(tiny, monk
         raise AssertionError("weights were loaded before the KV check failed")
 
     monkeypatch.setattr(hsmc.levels.stack, "load_model", tripwire)
-    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: weights + reserve_bytes(cfg, VOCAB))
+    monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: weights + tiny_reserve(cfg))
     with pytest.raises(KVCapacityError, match=r"GiB estimated free after 0\.0 GiB of weights.*holds 0 KV slots"):
         check_before_loading(cfg, [[5, 6, 7]])
 
 
 def test_built_stack_that_does_not_fit_names_the_numbers(tiny, monkeypatch):
     per_token = (2 + 5) * 2 * 2 * 16 * 4 + 2 * 8 * 5
-    free = -(-(10 * per_token + reserve_bytes(config(tiny), VOCAB)) // (1 - MARGIN))
+    free = -(-(10 * per_token + tiny_reserve(config(tiny))) // (1 - MARGIN))
     monkeypatch.setattr(hsmc.levels.stack, "free_memory", lambda device: free)
     # one prompt needs 12 new tokens + 8 of lookahead (3 drafts + 1 bonus, and one overlapped cycle)
     with pytest.raises(

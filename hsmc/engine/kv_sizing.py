@@ -35,18 +35,31 @@ def block_table_bytes_per_token(max_rows: int) -> int:
     return 8 * (max_rows + 1)
 
 
-def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0) -> int:
+def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0, prefill_activations: int = 0) -> int:
     """Memory the pools must leave for the rest: a fixed part, the fp32 logits of the widest forward (every
     row with a verify block's tokens: an SMC cycle over 16 requests x 8 particles x 9 tokens of a 152k
-    vocabulary holds 0.7 GB per copy), and two bf16 copies of the largest FP8 matrix (`largest_fp8_weight`
-    elements), which a forward of more rows than the FP8 kernel takes dequantizes. Each term was found
-    missing on an H200 when the pools took the rest (`scripts/gpu_engine_check.py`, smcbench and fp8stack)."""
+    vocabulary holds 0.7 GB per copy), two bf16 copies of the largest FP8 matrix (`largest_fp8_weight`
+    elements), which a forward of more rows than the FP8 kernel takes dequantizes, and the activations of one
+    prefill chunk (`prefill_activation_bytes`). The first three were each found missing on an H200 when the
+    pools took the rest (`scripts/gpu_engine_check.py`, smcbench and fp8stack)."""
     width = max(
         [1] + [c.block_size + 1 for c in cfg.levels if c.kind == "smc"]
         + [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]
     )  # fmt: skip
     logits = LOGIT_COPIES * cfg.engine.max_batch_rows * width * vocab_size * 4
-    return RESERVE_BYTES + logits + 2 * largest_fp8_weight * 2
+    return RESERVE_BYTES + logits + 2 * largest_fp8_weight * 2 + prefill_activations
+
+
+def prefill_activation_bytes(configs: list[DecoderConfig], element_size: int, tokens: int) -> int:
+    """What one prefill forward of `tokens` tokens (`engine.prefill_chunk_tokens`) holds at once through the
+    widest of the models: per token the residual stream, its normed copy and a layer's output, q/k/v and the
+    attention output, gate/up and SiLU·mul (measured on an H200: 0.75 GiB for 8192 tokens of the Qwen3-8B
+    shape in bf16, where this gives 0.91 GiB)."""
+    per_token = max(
+        3 * c.hidden_size + 2 * c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + 3 * c.intermediate_size
+        for c in configs
+    )
+    return tokens * per_token * element_size
 
 
 def largest_fp8_weight(modules: list[torch.nn.Module]) -> int:
@@ -107,7 +120,10 @@ def stack_capacity(cfg: HsmcConfig, modules: list[torch.nn.Module], free_bytes: 
     from hsmc.engine.scheduler import minimum_kv_tokens
 
     table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
-    per_token = [kv_bytes_per_token(m.config, next(m.parameters()).dtype) + table for m in modules]
+    dtypes = [next(m.parameters()).dtype for m in modules]  # the embeddings' (an FP8 model's activations)
+    per_token = [kv_bytes_per_token(m.config, dtype) + table for m, dtype in zip(modules, dtypes)]
     most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
-    reserve = reserve_bytes(cfg, modules[-1].config.vocab_size, largest_fp8_weight(modules))
+    element_size = max(dtype.itemsize for dtype in dtypes)
+    activations = prefill_activation_bytes([m.config for m in modules], element_size, cfg.engine.prefill_chunk_tokens)
+    reserve = reserve_bytes(cfg, modules[-1].config.vocab_size, largest_fp8_weight(modules), activations)
     return auto_capacity(free_bytes, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
