@@ -680,26 +680,43 @@ def one_row_runner_8b(slots: int) -> tuple[ModelRunner, BlockTables, torch.Tenso
     return runner, tables, rows, torch.ones(1, dtype=torch.int64, device="cuda")
 
 
-def profile_forward(shape: str, rows_n: int, width: int, context: int) -> tuple[float, dict[str, tuple[float, int]]]:
+def profile_forward(
+    shape: str, rows_n: int, width: int, context: int, head: bool = False
+) -> tuple[float, float, dict[str, tuple[float, int]]]:
     """GPU time of one forward (graph replay) of `rows_n` rows x `width` new tokens after `context` tokens of the
-    random bf16 `shape`, by kernel (torch.profiler): (weight read ms, {kernel: (us per forward, launches)})."""
+    random bf16 `shape` (or of a random EAGLE3 head for it), by kernel (torch.profiler): (weight read ms, wall ms
+    per forward, {kernel: (us per forward, launches)})."""
     from torch.profiler import ProfilerActivity, profile
+
+    from hsmc.eagle.checkpoint import random_eagle3_head
+    from hsmc.models.shapes import SHAPES
 
     cfg = DecoderConfig.from_hf(hf_config(shape))
     tables = BlockTables(SlotAllocator(rows_n * (context + 64), "cuda"), rows_n, context + 64)
-    model = random_model(cfg, torch.bfloat16, "cuda")
-    runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+    if head:
+        model = random_eagle3_head(SHAPES[shape], "bfloat16", "cuda")[0]
+        runner = ModelRunner(model, tables, TritonBackend(), 1, cuda_graphs=True)
+    else:
+        model = random_model(cfg, torch.bfloat16, "cuda")
+        runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
     rows = torch.arange(rows_n, device="cuda")
     full = torch.full((rows_n,), width, device="cuda")
     tokens = torch.randint(0, 1000, (rows_n, width), device="cuda")
 
+    def inputs(n: int) -> dict:
+        x = torch.randn(rows_n, n, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+        return {"embeds": x, "hidden": x.clone()} if head else {}
+
+    step_inputs = inputs(width)
+
     def step():  # the same tokens again and again, rolled back after each forward
-        runner.forward(runner.new_tokens(rows, tokens, full, context + width), True)
+        runner.forward(runner.new_tokens(rows, tokens, full, context + width), True, **step_inputs)
         tables.rollback(rows, full, width)
 
     with torch.inference_mode():
         prompt = torch.randint(0, 1000, (rows_n, context), device="cuda")
-        runner.forward(runner.new_tokens(rows, prompt, torch.full((rows_n,), context, device="cuda"), context), True)
+        prefill = runner.new_tokens(rows, prompt, torch.full((rows_n,), context, device="cuda"), context)
+        runner.forward(prefill, True, **inputs(context))
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -740,10 +757,14 @@ def check_profile_smc() -> None:
         pdl.pdl_supported.cache_clear()
         if not use_pdl:
             pdl.pdl_supported = functools.cache(lambda device: False)
-        for shape, width, label in (("qwen3-8b", 1, "8B proposal step, 8 x 1"), ("qwen3-32b", 9, "32B verify, 8 x 9")):
-            read_ms, wall_ms, kernels = profile_forward(shape, 8, width, 259)
+        for shape, rows_n, width, head, label in (
+            ("qwen3-8b", 8, 1, False, "8B proposal step, 8 x 1"),
+            ("qwen3-32b", 8, 9, False, "32B verify, 8 x 9"),
+            ("qwen3-8b", 6, 1, True, "EAGLE3 head of the 8B, draft step 6 x 1"),
+        ):
+            read_ms, wall_ms, kernels = profile_forward(shape, rows_n, width, 259, head)
             say_profile(f"{label}, PDL {'on' if use_pdl else 'off'}", read_ms, wall_ms, kernels)
-            results[f"profile_smc_{shape}_pdl_{use_pdl}"] = {"wall_ms": wall_ms, "kernels": kernels}
+            results[f"profile_smc_{label}_pdl_{use_pdl}"] = {"wall_ms": wall_ms, "kernels": kernels}
             gc.collect()
             torch.cuda.empty_cache()
 
