@@ -225,6 +225,7 @@ def level_costs(decoder: Any, stats: list[dict[str, Any]]) -> list[LevelCost]:
                 fill_margin=fill.margin if fill is not None else 0,
                 block_size=lc.block_size,
                 deferral_rate=st.get("deferred_step_rate", 0.0),
+                round_includes_drafts="graphed_rounds" in st,
             )
         )
     return costs

@@ -4,10 +4,10 @@ One step of the top level costs what its forward costs plus what the levels belo
 tokens it consumes:
 - `model` / `eagle3` produce k tokens per row with k forwards (an EAGLE3 round: one forward over the new
   pairs, then a forward per further draft);
-- `rejection` produces tokens in rounds of (γ drafts from below + one verify); a round yields the accepted
-  length a (accepted drafts + 1) per row. Under `smc` it fills a block of K in ceil(K / a) + margin rounds
-  (`BlockFill`); under another rejection level, in ceil(k / (γ + 1)) rounds; as a streaming top, one round
-  per step, a tokens;
+- `rejection` produces tokens in rounds of (γ drafts from below + one verify; a graphed round is measured
+  whole); a round yields the accepted length a (accepted drafts + 1) per row. Under `smc` it fills a block
+  of K in ceil(K / a) + margin rounds (`BlockFill`); under another rejection level, in ceil(k / (γ + 1))
+  rounds; as a streaming top, one round per step, a tokens;
 - `smc` consumes K proposals, runs one target verify, and emits K + 1 tokens per particle, except in a
   deferred cycle (its block was short), which emits none.
 With each forward's time set to its weight bytes / memory bandwidth the same recursion gives the
@@ -29,6 +29,7 @@ class LevelCost:
     fill_margin: int = 1  # rejection under smc: rounds beyond ceil(K / accepted_length)
     block_size: int = 0  # smc: K
     deferral_rate: float = 0.0  # smc: share of cycles deferred (no tokens)
+    round_includes_drafts: bool = False  # rejection: forward_ms is a whole (graphed) round, the drafter's steps in it
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,13 @@ def production_ms(levels: list[LevelCost], k: int, under_smc: bool = False) -> f
         return k * top.forward_ms
     if top.kind != "rejection":
         raise ValueError(f"a {top.kind!r} level does not propose to a level above")
-    return rejection_rounds(top, k, under_smc) * (production_ms(below, top.gamma) + top.forward_ms)
+    return rejection_rounds(top, k, under_smc) * round_ms(levels)
+
+
+def round_ms(levels: list[LevelCost]) -> float:
+    """One round of the rejection level on top of `levels`: its drafter's γ tokens and its verify."""
+    *below, top = levels
+    return top.forward_ms if top.round_includes_drafts else production_ms(below, top.gamma) + top.forward_ms
 
 
 def predict(levels: list[LevelCost]) -> Prediction:
@@ -66,13 +73,13 @@ def predict(levels: list[LevelCost]) -> Prediction:
         fill = production_ms(below, k, under_smc=True) if k else 0.0
         return Prediction(fill + top.forward_ms, (k + 1) * (1 - top.deferral_rate))
     if top.kind == "rejection":
-        return Prediction(production_ms(below, top.gamma) + top.forward_ms, top.accepted_length)
+        return Prediction(round_ms(levels), top.accepted_length)
     return Prediction(top.forward_ms, 1.0)
 
 
 def roofline(levels: list[LevelCost], weight_ms: list[float]) -> Prediction:
     """The same stack with every forward taking `weight_ms` (its weights read once at the memory bandwidth)."""
-    return predict([replace(level, forward_ms=ms) for level, ms in zip(levels, weight_ms)])
+    return predict([replace(level, forward_ms=ms, round_includes_drafts=False) for level, ms in zip(levels, weight_ms)])
 
 
 def with_accepted_length(levels: list[LevelCost], accepted_length: float) -> list[LevelCost]:

@@ -24,6 +24,10 @@ smcbench `hsmc bench --config` of configs/bench/{smc,hierarchical,selfdraft}_8b_
          requests (random bf16 weights, 64-token prompts, 64 new tokens): tok/s per request and in all,
          cycle vs weight-read bound, per-level times, cost model (also at accepted length 3.5). The target is
          the 32B shape where the GPU holds it (≥ 120 GB: H200), else the 14B shape (H100), as printed.
+rounds   rejection rounds captured as CUDA graphs (`RoundGraphs`): tiny [model|eagle3, rejection(, rejection)
+         (, smc)] stacks on CUDA after a warm-up: replayed rounds, synchronizing calls, T = 1e-4 tokens CUDA ==
+         CPU, T = 1 graphed == eager rounds (same seed); then configs/bench/{eagle3_8b,hierarchical_8b_32b}.yaml
+         at 1/4/16 requests (64-token prompts, 128 new tokens), graphed vs eager rounds in the same run.
 fp8gemm  the Triton weight-only FP8 GEMM vs the dequantized fp32 reference over the 32B/8B Linears at
          M = 1..512 rows (> 256: dequantize + cuBLAS), timed against bf16 cuBLAS on the same weights, and a
          sweep of launch settings at M = 1.
@@ -79,7 +83,7 @@ sys.path.insert(0, str(ROOT))
 from conftest import TINY_CONFIGS, make_tiny_model, save_tokenizer  # noqa: E402
 from test_eagle_checkpoint import published_layout  # noqa: E402
 
-from hsmc.bench import copy_bandwidth, run_bench, timed, to_json  # noqa: E402
+from hsmc.bench import bench_stack, config_for_bench, copy_bandwidth, format_stack_table, run_bench, timed, to_json  # noqa: E402
 from hsmc.config import load_config  # noqa: E402
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator  # noqa: E402
@@ -400,6 +404,92 @@ def check_smc_bench() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     results["smcbench"] = {"target": target, **out}
+
+
+def graphed_rejection(decoder: HierarchicalDecoder):
+    """The stack's rejection level whose rounds are captured (`RoundGraphs`)."""
+    return next(lv for lv in decoder.stack.levels if getattr(lv, "rounds", None) is not None)
+
+
+def check_rounds() -> None:
+    """Rejection rounds captured as one CUDA graph each: the tiny stacks whose rejection level is graphed give
+    the CPU's tokens near-greedily, with no synchronizing call after the warm-up, and at T = 1 the tokens of the
+    same stack with eager rounds (same seed). The real shapes run first (graphed vs eager rounds in the same run),
+    in a process that has run nothing else."""
+    say("== graphed rejection rounds: CUDA == CPU, graphed == eager rounds, synchronizing calls, speed ==")
+    out = {}
+    memory = torch.cuda.get_device_properties(0).total_memory / 1e9
+    target = "random:qwen3-32b" if memory >= 120 else "random:qwen3-14b"
+    bandwidth = copy_bandwidth(torch.device("cuda"), 2.0)
+    say(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {bandwidth / 1e12:.3f} TB/s; smc target {target}")
+    for name in ("eagle3_8b", "hierarchical_8b_32b"):
+        began = time.perf_counter()
+        try:
+            path = ROOT / "configs" / "bench" / f"{name}.yaml"
+            top = len(load_config(path).levels) - 1
+            config = load_config(path, [f"levels.{top}.model={target}"] if name.startswith("hierarchical") else [])
+            decoder = HierarchicalDecoder(config_for_bench(config, [1, 4, 16], 64, 128))
+            graphed = bench_stack(f"{name} graphed", decoder, [1, 4, 16], 64, 128, bandwidth)
+            graphed_rejection(decoder).rounds = None
+            eager = bench_stack(f"{name} eager", decoder, [1, 4, 16], 64, 128, bandwidth)
+            say(format_stack_table(graphed + eager))
+            for g, e in zip(graphed, eager):
+                say(f"{name}, {g.batch} requests: graphed rounds {g.tok_s_total:.1f} tok/s, eager rounds (same run) "
+                    f"{e.tok_s_total:.1f}: {g.tok_s_total / e.tok_s_total:.2f}x; step {g.step_ms:.2f} vs "
+                    f"{e.step_ms:.2f} ms, bound {g.bound_step_ms:.2f} ms")  # fmt: skip
+            out[name] = {"graphed": json.loads(to_json(graphed)), "eager": json.loads(to_json(eager))}
+            del decoder
+        except Exception as e:  # e.g. out of memory: the other config still runs
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            say(f"!! rounds {name} failed: {type(e).__name__}: {e}")
+        say(f"({name}: {time.perf_counter() - began:.0f} s)")
+        gc.collect()
+        torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    root = Path(tempfile.mkdtemp())
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
+    engine = {"device": "cuda", "kv_capacity_tokens": 2048}
+    for temperature in (1e-4, 1.0):
+        folder = root / f"t{temperature}"
+        stacks = smc_stacks(folder, temperature)  # writes the tiny models d, m, t and the head
+        cases = {n: stacks[n] for n in ("model-rejection-smc", "eagle3-rejection-smc", "model-rejection-rejection-smc")}
+        for name, drafter, verifier in (("model-rejection", "model:d", "t"), ("eagle3-rejection", "eagle3:head", "d")):
+            kind, model = drafter.split(":")
+            cases[name] = {
+                "levels": [
+                    {"kind": kind, "model": str(folder / model), "temperature": temperature},
+                    {"kind": "rejection", "model": str(folder / verifier), "temperature": temperature,
+                     "num_draft_tokens": 3},
+                ]
+            }  # fmt: skip
+        for name, cfg in cases.items():
+            label = f"{name} T={temperature:g}"
+            try:
+                graphed = HierarchicalDecoder.from_config({**cfg, "engine": engine})
+                eager = HierarchicalDecoder.from_config({**cfg, "engine": engine})
+                graphed_rejection(eager).rounds = None
+                graphed.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7)  # warm-up: captures the rounds
+                runs, syncs = synced_generate(graphed, prompts, 24, seed=7)
+                tokens = [r.token_ids for r in runs]
+                eager_tokens = eager.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7)
+                row = {
+                    "replays": graphed_rejection(graphed).rounds.replays,
+                    "syncs": syncs,
+                    "graphed_equals_eager": tokens == [r.token_ids for r in eager_tokens],
+                }
+                line = (f"rounds {label}: {row['replays']} replayed rounds; synchronizing ops: {syncs or 'none'}; "
+                        f"graphed == eager rounds (same seed): {row['graphed_equals_eager']}")  # fmt: skip
+                if temperature < 1:
+                    cpu = HierarchicalDecoder.from_config({**cfg, "engine": {"kv_capacity_tokens": 2048}})
+                    want = [r.token_ids for r in cpu.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7)]
+                    row["cuda_equals_cpu"] = sum(a == b for a, b in zip(tokens, want))
+                    line += f"; CUDA == CPU {row['cuda_equals_cpu']}/{len(prompts)}"
+                out[label] = row
+                say(line)
+            except Exception as e:  # one stack failing must not hide the others
+                out[label] = {"error": f"{type(e).__name__}: {e}"}
+                say(f"!! rounds {label} failed: {type(e).__name__}: {e}")
+    results["rounds"] = out
 
 
 def check_smollm2(gguf: Path) -> None:
@@ -1760,6 +1850,7 @@ def main() -> None:
         "linears": check_linears,
         "fewlinears": check_few_linears,
         "decodeattn": check_decode_attention,
+        "rounds": check_rounds,
         "fp8linears": check_fp8_linears,
         "w8a8sweep": check_w8a8_sweep,
     }

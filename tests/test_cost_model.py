@@ -39,6 +39,20 @@ def test_hierarchical_block_fill_and_deferrals():
     assert predict(with_accepted_length(stack, 5.0)).step_ms == pytest.approx(5 * 10 + 20)
 
 
+def test_a_graphed_round_is_timed_whole():
+    """A graphed round's 10 ms already holds its head steps: 6 rounds of 10 ms + the 20 ms verify, not 6 x 12 +
+    20; its weight-read bound still counts every forward (4 head reads of 0.2 ms + the 8B's 4 ms per round)."""
+    stack = [
+        LevelCost("eagle3", 0.5),
+        LevelCost("rejection", 10.0, gamma=4, accepted_length=3.5, fill_margin=1, round_includes_drafts=True),
+        LevelCost("smc", 20.0, block_size=16),
+    ]
+    assert predict(stack).step_ms == pytest.approx(6 * 10 + 20)
+    assert roofline(stack, [0.2, 4.0, 15.0]).step_ms == pytest.approx(6 * (4 * 0.2 + 4.0) + 15.0)
+    streaming = [LevelCost("eagle3", 0.5), LevelCost("rejection", 7.0, gamma=4, round_includes_drafts=True)]
+    assert predict(streaming).step_ms == pytest.approx(7.0)
+
+
 def test_rejection_tops_and_rejection_under_rejection():
     """[model 1 ms, rejection 4 ms (γ = 2), rejection 10 ms (γ = 3, 3 tokens per cycle)]: the lower level runs
     ceil(3 / 3) = 1 cycle of 2 drafts + its verify (6 ms) per top cycle of 16 ms and 3 tokens."""

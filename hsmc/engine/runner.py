@@ -3,7 +3,9 @@
 Every model forward in hsmc goes through `ModelRunner.forward`: the levels' decode and verify steps,
 the EAGLE3 head's drafting, and the verifier pass of EAGLE3 training. `new_tokens` turns per-row
 token counts into a `ForwardBatch` (allocating their KV slots); `forward` runs it eagerly, or on CUDA
-replays the graph captured for the batch's (rows bucket, tokens per row) shape (`CUDAGraphs`).
+replays the graph captured for the batch's (rows bucket, tokens per row) shape (`CUDAGraphs`). A whole
+rejection round of several forwards may itself be captured (`RoundGraphs`); its forwards then run eagerly
+inside that capture.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class ModelRunner:
         device = tables.table.device
         self.cache = KVCache(num_layers, tables.allocator.num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.graphs = CUDAGraphs(self) if cuda_graphs else None
+        self.fixed_context: int | None = None  # set while a round is captured: every forward's context bound
 
     @property
     def device(self) -> torch.device:
@@ -54,13 +57,14 @@ class ModelRunner:
         start = self.tables.length[rows]
         slots = self.tables.append(rows, num_new, tokens.shape[1])
         positions = padded_columns(start, num_new, tokens.shape[1])
-        context = max(1, min(max_context, self.tables.max_row_tokens))
+        context = self.fixed_context or max(1, min(max_context, self.tables.max_row_tokens))
         return ForwardBatch(rows, self.tables.table, tokens, positions, slots, start, num_new, context)
 
     def forward(self, batch: ForwardBatch, last_only: bool = False, **inputs: torch.Tensor) -> tuple[Any, ...]:
         """The module's outputs for `batch` (rows first); graph outputs are views valid until the same
-        shape is replayed again, so callers consume them within their step."""
-        if self.graphs is not None and batch.mask is None:
+        shape is replayed again, so callers consume them within their step. While a round is captured
+        (`fixed_context` set) it runs eagerly: graphs do not nest."""
+        if self.graphs is not None and batch.mask is None and self.fixed_context is None:
             out = self.graphs.run(batch, last_only, inputs)
             if out is not None:
                 return out

@@ -19,12 +19,16 @@ class ForwardTimer:
         self.reset()
 
     def reset(self) -> None:
+        self._paused = False
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._seconds = 0.0
         self.count = 0  # forwards timed
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
+        if self._paused:
+            yield
+            return
         self.count += 1
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -36,6 +40,15 @@ class ForwardTimer:
             began = time.perf_counter()
             yield
             self._seconds += time.perf_counter() - began
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside are not timed: a graphed round (`RoundGraphs`) is timed as a whole by its level."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def seconds(self) -> float:
         if self._events:

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from hsmc.engine.host_io import upload
+from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.block_fill import BlockFill
@@ -104,6 +105,10 @@ class Level(Protocol):
     def step(self, rows: torch.Tensor) -> Emission: ...
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None: ...
     def release(self, rows: torch.Tensor) -> None: ...
+    def graph_parts(self) -> GraphParts:
+        """Runners, timers and host ints a captured round of a level above touches through this one."""
+        ...
+
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None: ...
     def set_len_bound(self, bound: int) -> None:
         """Every row of this level (and those below) is at most `bound` tokens long now (0: no row holds
@@ -175,6 +180,9 @@ class TokenRows:
         """Every row is known to be at most `bound` tokens long (the driver read it, or prompts were just loaded)."""
         self.len_bound = min(self.len_bound, bound)
 
+    def graph_parts(self) -> GraphParts:
+        return GraphParts(host=[HostField(self, "len_bound", grows=True)])
+
     def copy_rows(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """dst ← src, up to the length bound (a row's tail past its length is never read)."""
         width = min(self.len_bound + 1, self.capacity + 1)
@@ -220,6 +228,9 @@ class SequenceState(TokenRows):
     def bound_lengths(self, bound: int) -> None:
         super().bound_lengths(bound)
         self.pending_bound = min(self.pending_bound, bound)
+
+    def graph_parts(self) -> GraphParts:
+        return super().graph_parts() + GraphParts([self.runner], [self.timer], [HostField(self, "pending_bound")])
 
     def append(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         super().append(rows, tokens)

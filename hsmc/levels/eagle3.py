@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.sampler import sample
 from hsmc.engine.timer import ForwardTimer
@@ -159,6 +160,9 @@ class Eagle3Level:
 
     def set_len_bound(self, bound: int) -> None:
         self.state.bound_lengths(bound)
+
+    def graph_parts(self) -> GraphParts:
+        return self.state.graph_parts() + GraphParts([self.runner], [self.timer], [HostField(self, "proposed")])
 
     def reset_stats(self) -> None:
         self.timer.reset()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.engine.sampler import sample
 from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput, masked_accept
 
@@ -69,6 +70,9 @@ class ModelLevel:
 
     def set_len_bound(self, bound: int) -> None:
         self.state.bound_lengths(bound)
+
+    def graph_parts(self) -> GraphParts:
+        return self.state.graph_parts() + GraphParts(host=[HostField(self, "proposed")])
 
     def reset_stats(self) -> None:
         self.state.timer.reset()

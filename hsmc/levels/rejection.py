@@ -19,6 +19,9 @@ max(0, p − q) above needs. At T = 0 its output is its model's greedy decode: q
 Under an `smc` level, asked for exactly K tokens, it fills the block with a host-chosen number of rounds
 (`BlockFill`): rows already holding K idle through a mask, and rows still short are reported in
 `Proposal.ready`, so the SMC level defers their group's step instead of reading the device.
+
+With `graph_rounds` (CUDA) a round — the drafter's γ proposals, the verify, the acceptance test and both
+models' rollback — is captured and replayed as one CUDA graph per shape (`RoundGraphs`), and timed as a whole.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from hsmc.engine.host_io import read_counters
+from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
 from hsmc.engine.sampler import gumbel_noise
 from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput, masked_accept
 from hsmc.levels.block_fill import BlockFill
@@ -41,7 +45,10 @@ class RejectionLevel:
         num_draft_tokens: int,
         temperature: float,
         generator: torch.Generator,
+        graph_rounds: bool = False,
     ) -> None:
+        """`graph_rounds`: capture each round as one CUDA graph (the runner must have CUDA graphs; not for a
+        level drafting for another rejection level, whose rounds run inside that level's)."""
         self.state = state
         self.drafter = drafter
         self.gamma = num_draft_tokens
@@ -56,6 +63,10 @@ class RejectionLevel:
         self.cycles = torch.zeros((), dtype=torch.int64, device=device)  # device counters, read by stats()
         self.emitted = torch.zeros((), dtype=torch.int64, device=device)
         self.fill = BlockFill(num_draft_tokens, self.cycles, self.emitted)
+        self.rounds = None
+        if graph_rounds:
+            buckets = state.runner.graphs.context_buckets
+            self.rounds = RoundGraphs(self._round, self.graph_parts(), buckets, generator)
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         self.state.load_prompts(rows, prompts)
@@ -156,24 +167,42 @@ class RejectionLevel:
         self.state.bound_lengths(bound + ahead)
         self.drafter.set_len_bound(bound + ahead)
 
+    def graph_parts(self) -> GraphParts:
+        return self.state.graph_parts() + self.drafter.graph_parts() + GraphParts(host=[HostField(self, "ahead")])
+
     def reset_stats(self) -> None:
         self.state.timer.reset()
         self.cycles.zero_()
         self.emitted.zero_()
         self.fill.reset()
+        if self.rounds is not None:
+            self.rounds.replays = 0
 
     def stats(self) -> dict[str, float]:
+        """With graphed rounds `forward_seconds` / `forwards` time whole rounds (the drafter's steps included),
+        and `graphed_rounds` counts the replays."""
         cycles, emitted = read_counters(self.cycles, self.emitted)
         stats = {
             "mean_accepted_length": emitted / max(cycles, 1),
             "forward_seconds": self.state.timer.seconds(),
             "forwards": self.state.timer.count,
         }
+        if self.rounds is not None:
+            stats["graphed_rounds"] = self.rounds.replays
         if self.fill.blocks:
             stats["mean_fill_rounds"] = self.fill.mean_rounds()
         return stats
 
     def _cycle(
+        self, rows: torch.Tensor, active: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One round (`_round`), replayed from a CUDA graph with `graph_rounds`."""
+        if self.rounds is None:
+            return self._round(rows, active)
+        with self.state.timer():
+            return self.rounds(rows, active)
+
+    def _round(
         self, rows: torch.Tensor, active: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft + verify for `rows`; returns the number of drafts each row kept and, at T > 0, the

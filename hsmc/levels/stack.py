@@ -146,7 +146,13 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
         if lc.kind == "model":
             levels.append(ModelLevel(state, lc.temperature, generator))
         elif lc.kind == "rejection":
-            levels.append(RejectionLevel(state, below, lc.num_draft_tokens, lc.temperature, generator))
+            drafts_for_rejection = i + 1 < len(cfg.levels) and cfg.levels[i + 1].kind == "rejection"
+            levels.append(
+                RejectionLevel(
+                    state, below, lc.num_draft_tokens, lc.temperature, generator,
+                    graph_rounds=graphs and not drafts_for_rejection,
+                )
+            )  # fmt: skip
         else:
             params = SMCParams(
                 lc.particles, lc.block_size, lc.alpha, lc.temperature, lc.ess_threshold, lc.resampling, lc.selection

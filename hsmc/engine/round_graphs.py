@@ -1,0 +1,176 @@
+"""CUDA graphs over a whole round of a level: several forwards and the work between them, replayed as one.
+
+A rejection round (the drafter's γ proposals, the verify, the acceptance test, both models' rollback, an
+EAGLE3 head catching up on the verifier's features) launches hundreds of small kernels from Python. For an
+EAGLE3 drafter that launching was most of the round: one head draft step took 1.41 ms of wall time for
+0.31 ms of kernels on an H200. Captured once per shape, a round is one replay.
+
+A capture fixes, besides the device tensors it reads and writes in place:
+- the shape of its inputs (the number of rows: exact, rows are real ids; whether a mask is passed);
+- the host-side ints the round's code reads (`HostField`s: pending-token bounds, draft counts). Those that
+  are not length bounds are part of the key;
+- a context bucket that bounds every row's length during the round: attention is planned for it, and the
+  torch backend gathers that many keys, so every forward inside sees it as its context (`fixed_context`).
+Length bounds (`grows`) advance by the same amount in every round of one shape: the first rounds of a shape
+run eagerly and measure that amount (checked equal), the third is captured (after an eager run of its own that
+compiles every kernel with the bucket's plans), later ones replay and advance the host ints by it. The capture
+checks that its host ints end where the eager runs' did.
+
+Inside a round every forward runs eagerly (per-forward graphs do not nest in a capture, and the first round
+of a shape must measure the same host effects) and the per-forward timers are paused: the level times the
+round as a whole. The seeded generator is registered with each graph, so each replay draws new numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hsmc.engine.runner import ModelRunner
+from hsmc.engine.timer import ForwardTimer
+
+
+@dataclass(frozen=True)
+class HostField:
+    """A host int that a round reads or changes: `owner.<name>`."""
+
+    owner: Any
+    name: str
+    grows: bool = False  # a length bound: advances by the same amount in each round of a shape; else in the key
+
+
+@dataclass
+class GraphParts:
+    """What a level's round touches besides device tensors: its runners, its timers and its host ints."""
+
+    runners: list[ModelRunner] = field(default_factory=list)
+    timers: list[ForwardTimer] = field(default_factory=list)
+    host: list[HostField] = field(default_factory=list)
+
+    def __add__(self, other: GraphParts) -> GraphParts:
+        return GraphParts(self.runners + other.runners, self.timers + other.timers, self.host + other.host)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor | None, ...]  # static input buffers
+    outputs: Any  # static outputs, valid until the next replay of a graph of this pool
+
+
+class RoundGraphs:
+    capture_after = 3  # rounds of a shape before it is captured: rows that finish one by one at the end of a
+    # batch make shapes that last a round or two, for which an eager run and a capture cost more than they save
+
+    def __init__(
+        self,
+        round_fn: Callable[..., Any],
+        parts: GraphParts,
+        context_buckets: list[int],
+        generator: torch.Generator,
+    ) -> None:
+        """`round_fn(*inputs)`: the round (tensors or None in, tensors out), all of its effects on the device
+        in place or in `parts.host`."""
+        self.round_fn = round_fn
+        self.runners = list({id(r): r for r in parts.runners}.values())
+        self.timers = list({id(t): t for t in parts.timers}.values())
+        self.host = parts.host
+        self.context_buckets = context_buckets
+        self.generator = generator
+        self.pool = torch.cuda.graph_pool_handle()
+        self.deltas: dict[tuple, tuple[int, ...]] = {}  # per shape: how the round moves the host ints
+        self.seen: dict[tuple, int] = {}  # rounds run per shape
+        self.stream = torch.cuda.Stream()  # captures run on it
+        self.captured: dict[tuple, _Captured] = {}
+        self.replays = 0
+
+    def __call__(self, *inputs: torch.Tensor | None) -> Any:
+        before = self.snapshot()
+        shape = (tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs), self.key(before))
+        seen = self.seen[shape] = self.seen.get(shape, 0) + 1
+        delta = self.deltas.get(shape)
+        context = None
+        if delta is not None and seen >= self.capture_after:
+            after = tuple(b + d for b, d in zip(before, delta))
+            longest = max((a for f, a in zip(self.host, after) if f.grows), default=1)
+            context = next((c for c in self.context_buckets if c >= longest), None)  # None: longer than any
+        if context is None:  # eager, measuring how the round moves the host ints
+            with self._inside(None):
+                outputs = self.round_fn(*inputs)
+            moved = tuple(a - b for a, b in zip(self.snapshot(), before))
+            if self.deltas.setdefault(shape, moved) != moved:
+                raise RuntimeError(f"two rounds of one shape moved their host ints by {moved} and {delta}")
+            return outputs
+        captured = self.captured.get((shape, context))
+        if captured is None:
+            return self._capture((shape, context), inputs, before, after, context)
+        for static, value in zip(captured.inputs, inputs):
+            if value is not None:
+                static.copy_(value)
+        captured.graph.replay()
+        self.restore(after)
+        self.replays += 1
+        return captured.outputs
+
+    def snapshot(self) -> tuple[int, ...]:
+        return tuple(getattr(f.owner, f.name) for f in self.host)
+
+    def restore(self, values: tuple[int, ...]) -> None:
+        for f, value in zip(self.host, values):
+            setattr(f.owner, f.name, value)
+
+    def key(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """The host ints a capture is only valid for (all but the length bounds)."""
+        return tuple(v for f, v in zip(self.host, values) if not f.grows)
+
+    def _capture(
+        self,
+        key: tuple,
+        inputs: tuple[torch.Tensor | None, ...],
+        before: tuple[int, ...],
+        after: tuple[int, ...],
+        context: int,
+    ) -> Any:
+        """Run this round eagerly with the bucket's context (compiling what the capture records), then capture
+        the same round from the same host ints; returns the eager run's outputs."""
+        static = tuple(None if x is None else x.clone() for x in inputs)
+        with self._inside(context):
+            outputs = self.round_fn(*static)
+            if self.snapshot() != after:
+                raise RuntimeError(f"a round moved its host ints to {self.snapshot()}, an earlier one to {after}")
+            self.restore(before)
+            graph = torch.cuda.CUDAGraph()
+            graph.register_generator_state(self.generator)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):  # (not torch.cuda.graph: it empties the allocator's caches)
+                graph.capture_begin(pool=self.pool)
+                try:
+                    static_outputs = self.round_fn(*static)
+                except BaseException:
+                    with suppress(Exception):  # an invalidated capture: report what broke it, not that
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
+            torch.cuda.current_stream().wait_stream(self.stream)
+        if self.snapshot() != after:
+            raise RuntimeError(f"a captured round moved its host ints to {self.snapshot()}, not {after}")
+        self.captured[key] = _Captured(graph, static, static_outputs)
+        return outputs
+
+    @contextmanager
+    def _inside(self, context: int | None) -> Iterator[None]:
+        """Per-forward timers paused; with a context bucket, every forward eager and planned for it."""
+        with ExitStack() as stack:
+            for timer in self.timers:
+                stack.enter_context(timer.paused())
+            for runner in self.runners:
+                runner.fixed_context = context
+            try:
+                yield
+            finally:
+                for runner in self.runners:
+                    runner.fixed_context = None

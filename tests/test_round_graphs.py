@@ -1,0 +1,87 @@
+"""What a captured rejection round (`hsmc.engine.round_graphs.RoundGraphs`) relies on, checked on the CPU.
+
+A CUDA graph replays a round's kernels but not its Python: the host ints the round's code changes must be
+declared by the levels (`graph_parts`) so a replay can advance them, and a round of one shape must move them
+by the same amount every time. Both are checked here on every round of real runs, over the stacks whose top
+rejection level gets graphed rounds on CUDA. (The capture and replay themselves need a GPU:
+`scripts/gpu_engine_check.py --sections rounds` compares them with the CPU and with eager rounds.)
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_host_reads import PROMPTS, models, smc_models  # noqa: F401  (module fixtures)
+
+from hsmc.decoder import HierarchicalDecoder
+from hsmc.engine.timer import ForwardTimer
+from hsmc.levels.rejection import RejectionLevel
+
+STACKS = {
+    "model-rejection": ["model:draft", "rejection:target"],
+    "eagle3-rejection": ["eagle3:head", "rejection:draft"],
+    "model-rejection-rejection": ["model:draft", "rejection:draft2", "rejection:target"],
+    "eagle3-rejection-smc": ["eagle3:head", "rejection:draft", "smc:target"],
+    "model-rejection-smc": ["model:draft", "rejection:draft2", "smc:target"],
+}
+
+
+def _host_ints(level) -> dict[tuple[int, str], tuple[object, int]]:
+    """Every int attribute of every hsmc object reachable from `level` (timers aside: a round pauses them)."""
+    found, stack, seen = {}, [level], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, ForwardTimer):
+            continue
+        seen.add(id(obj))
+        for name, value in vars(obj).items():
+            if type(value) is int:
+                found[(id(obj), name)] = (obj, value)
+            elif type(value).__module__.startswith("hsmc.") and hasattr(value, "__dict__"):
+                stack.append(value)
+    return found
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_rounds_move_only_declared_host_ints_by_a_fixed_amount_per_shape(smc_models, name):  # noqa: F811
+    levels = []
+    for part in STACKS[name]:
+        kind, model = part.split(":")
+        levels.append({"kind": kind, "model": str(smc_models[model]), "temperature": 1.0})
+        if kind == "rejection":
+            levels[-1]["num_draft_tokens"] = 3
+        if kind == "smc":
+            levels[-1].update(particles=4, block_size=5)
+    decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 8192}})
+    graphed = [
+        lv
+        for lv, above in zip(decoder.stack.levels, decoder.stack.levels[1:] + [None])
+        if isinstance(lv, RejectionLevel) and not isinstance(above, RejectionLevel)
+    ]
+    assert len(graphed) == 1
+    level = graphed[0]
+    fields = level.graph_parts().host
+    declared = {(id(f.owner), f.name) for f in fields}
+    deltas: dict[tuple, tuple[int, ...]] = {}
+    rounds = repeats = 0
+    plain = level._round
+
+    def watched(rows, active=None):
+        nonlocal rounds, repeats
+        before_all, before = _host_ints(level), [getattr(f.owner, f.name) for f in fields]
+        out = plain(rows, active)
+        after_all, after = _host_ints(level), [getattr(f.owner, f.name) for f in fields]
+        changed = {k for k, (_, v) in before_all.items() if after_all[k][1] != v}
+        undeclared = [f"{type(before_all[k][0]).__name__}.{k[1]}" for k in changed - declared]
+        assert not undeclared, f"a round changed host ints no level declares: {undeclared}"
+        key = (len(rows), active is None, tuple(v for f, v in zip(fields, before) if not f.grows))
+        delta = tuple(a - b for a, b in zip(after, before))
+        repeats += key in deltas
+        assert deltas.setdefault(key, delta) == delta, f"rounds of one shape moved the host ints differently: {key}"
+        rounds += 1
+        return out
+
+    level._round = watched
+    decoder.generate(PROMPTS, max_new_tokens=30, ignore_eos=True)
+    decoder.generate(PROMPTS[:1], max_new_tokens=12, ignore_eos=True)
+    assert rounds > 10 and repeats > rounds // 2
+    assert any(d != 0 for delta in deltas.values() for d in delta)  # the check compared something that moves
