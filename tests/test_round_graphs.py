@@ -3,16 +3,19 @@
 A CUDA graph replays a round's kernels but not its Python: the host ints the round's code changes must be
 declared by the levels (`graph_parts`) so a replay can advance them, and a round of one shape must move them
 by the same amount every time. Both are checked here on every round of real runs, over the stacks whose top
-rejection level gets graphed rounds on CUDA. (The capture and replay themselves need a GPU:
-`scripts/gpu_engine_check.py --sections rounds` compares them with the CPU and with eager rounds.)
+rejection level gets graphed rounds on CUDA. When a shape is captured is checked with the capture stubbed.
+(Capture and replay need a GPU: `scripts/gpu_engine_check.py --sections rounds` compares them with the CPU
+and with eager rounds.)
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from test_host_reads import PROMPTS, models, smc_models  # noqa: F401  (module fixtures)
 
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.rejection import RejectionLevel
 
@@ -85,3 +88,48 @@ def test_rounds_move_only_declared_host_ints_by_a_fixed_amount_per_shape(smc_mod
     decoder.generate(PROMPTS[:1], max_new_tokens=12, ignore_eos=True)
     assert rounds > 10 and repeats > rounds // 2
     assert any(d != 0 for delta in deltas.values() for d in delta)  # the check compared something that moves
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.length, self.pending = 0, 1
+
+
+def test_a_shape_is_captured_once_it_makes_half_of_the_last_rounds_and_deltas_must_agree(monkeypatch):
+    """The capture decision, without a GPU (`_capture` recorded instead of run): shapes of a few rounds each (rows
+    finishing one by one) stay eager; a shape in every other round (a block fill's pattern) is captured at its 8th
+    round among the last 16, with the context bucket covering the lengths after the round; a round whose host
+    ints move differently from earlier rounds of its shape is an error naming both moves."""
+    state = _Counter()
+    grow = {"by": 3}
+
+    def round_fn(rows):
+        state.length += grow["by"]
+        return rows + 1
+
+    parts = GraphParts(host=[HostField(state, "length", grows=True), HostField(state, "pending")])
+    graphs = RoundGraphs(round_fn, parts, context_buckets=[16, 64, 256], generator=None)
+    captures = []
+
+    def fake_capture(key, inputs, before, after, context):
+        captures.append((len(inputs[0]), before, after, context))
+        return round_fn(*inputs)
+
+    monkeypatch.setattr(graphs, "_capture", fake_capture)
+    rows = {n: torch.zeros(n, dtype=torch.int64) for n in range(1, 17)}
+    for n in range(16, 0, -1):  # a batch ending: every shape for 5 rounds
+        for _ in range(5):
+            graphs(rows[n])
+    assert captures == []
+    state.length = 0
+    for _ in range(7):  # alternating two shapes not among the last 16: 7 rounds each are not yet enough
+        graphs(rows[9])
+        graphs(rows[10])
+    assert captures == []
+    graphs(rows[9])
+    assert len(captures) == 1
+    n, before, after, context = captures[0]
+    assert n == 9 and after == (before[0] + 3, 1) and context == 64 and before[0] + 3 > 16
+    grow["by"] = 5
+    with pytest.raises(RuntimeError, match=r"\(5, 0\) and \(3, 0\)"):
+        graphs(rows[5])  # eager (5 rounds long ago): its move is checked

@@ -12,6 +12,9 @@ time so no capture (which synchronizes) happens mid-decode.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,20 @@ def geometric_buckets(first: int, factor: int, last: int) -> list[int]:
         buckets.append(b)
         b *= factor
     return [*buckets, last]
+
+
+@contextmanager
+def no_cyclic_gc() -> Iterator[None]:
+    """Python's cycle collector off while a graph is captured: it may run at any allocation, and a dead decoder it
+    frees (runners and their graphs reference each other) destroys CUDA graphs, which invalidates the capture
+    ("operation not permitted when stream is capturing"; seen on an H200 after several decoders in one process)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -118,6 +135,6 @@ class CUDAGraphs:
             runner.eager(batch, last_only, static_inputs)
         torch.cuda.current_stream().wait_stream(warmup)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with no_cyclic_gc(), torch.cuda.graph(graph, pool=self.pool):
             outputs = runner.eager(batch, last_only, static_inputs)
         return CapturedForward(graph, batch, static_inputs, outputs)

@@ -12,9 +12,9 @@ A capture fixes, besides the device tensors it reads and writes in place:
 - a context bucket that bounds every row's length during the round: attention is planned for it, and the
   torch backend gathers that many keys, so every forward inside sees it as its context (`fixed_context`).
 Length bounds (`grows`) advance by the same amount in every round of one shape: the first rounds of a shape
-run eagerly and measure that amount (checked equal), the third is captured (after an eager run of its own that
-compiles every kernel with the bucket's plans), later ones replay and advance the host ints by it. The capture
-checks that its host ints end where the eager runs' did.
+run eagerly and measure that amount (checked equal); once a shape makes 8 of the last 16 rounds it is captured
+(after an eager run of its own that compiles every kernel with the bucket's plans); from then on rounds of that
+shape replay and advance the host ints by it. The capture checks that its host ints end where the eager runs' did.
 
 Inside a round every forward runs eagerly (per-forward graphs do not nest in a capture, and the first round
 of a shape must measure the same host effects) and the per-forward timers are paused: the level times the
@@ -23,6 +23,7 @@ round as a whole. The seeded generator is registered with each graph, so each re
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hsmc.engine.cuda_graphs import no_cyclic_gc
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.timer import ForwardTimer
 
@@ -63,8 +65,11 @@ class _Captured:
 
 
 class RoundGraphs:
-    capture_after = 3  # rounds of a shape before it is captured: rows that finish one by one at the end of a
-    # batch make shapes that last a round or two, for which an eager run and a capture cost more than they save
+    capture_after = 8  # a shape is captured once it makes 8 of the last 16 rounds. A capture (an eager run, the
+    # capture, the graph's instantiation) costs ~70-90 ms at 16 rows of the 8B, ~10 rounds. A steady batch repeats
+    # its shapes (under smc a block fill cycles through a few), while rows finishing one by one at the end of a
+    # batch make shapes of 1-6 rounds each (H200), not worth capturing
+    window = 16
 
     def __init__(
         self,
@@ -81,23 +86,27 @@ class RoundGraphs:
         self.host = parts.host
         self.context_buckets = context_buckets
         self.generator = generator
-        self.pool = torch.cuda.graph_pool_handle()
         self.deltas: dict[tuple, tuple[int, ...]] = {}  # per shape: how the round moves the host ints
-        self.seen: dict[tuple, int] = {}  # rounds run per shape
-        self.stream = torch.cuda.Stream()  # captures run on it
+        self.recent: deque[tuple] = deque(maxlen=self.window)  # the shapes of the last rounds
+        self.pool: Any = None  # the graphs' memory pool and the stream captures run on, made at the first capture
+        self.stream: torch.cuda.Stream | None = None
         self.captured: dict[tuple, _Captured] = {}
         self.replays = 0
 
     def __call__(self, *inputs: torch.Tensor | None) -> Any:
+        """The round over `inputs`, replayed, captured, or run eagerly."""
         before = self.snapshot()
         shape = (tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs), self.key(before))
-        seen = self.seen[shape] = self.seen.get(shape, 0) + 1
+        self.recent.append(shape)
         delta = self.deltas.get(shape)
         context = None
-        if delta is not None and seen >= self.capture_after:
+        if delta is not None:
             after = tuple(b + d for b, d in zip(before, delta))
             longest = max((a for f, a in zip(self.host, after) if f.grows), default=1)
             context = next((c for c in self.context_buckets if c >= longest), None)  # None: longer than any
+        captured = self.captured.get((shape, context))
+        if captured is None and self.recent.count(shape) < self.capture_after:
+            context = None
         if context is None:  # eager, measuring how the round moves the host ints
             with self._inside(None):
                 outputs = self.round_fn(*inputs)
@@ -105,7 +114,6 @@ class RoundGraphs:
             if self.deltas.setdefault(shape, moved) != moved:
                 raise RuntimeError(f"two rounds of one shape moved their host ints by {moved} and {delta}")
             return outputs
-        captured = self.captured.get((shape, context))
         if captured is None:
             return self._capture((shape, context), inputs, before, after, context)
         for static, value in zip(captured.inputs, inputs):
@@ -137,6 +145,8 @@ class RoundGraphs:
     ) -> Any:
         """Run this round eagerly with the bucket's context (compiling what the capture records), then capture
         the same round from the same host ints; returns the eager run's outputs."""
+        if self.stream is None:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         static = tuple(None if x is None else x.clone() for x in inputs)
         with self._inside(context):
             outputs = self.round_fn(*static)
@@ -146,7 +156,7 @@ class RoundGraphs:
             graph = torch.cuda.CUDAGraph()
             graph.register_generator_state(self.generator)
             self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):  # (not torch.cuda.graph: it empties the allocator's caches)
+            with no_cyclic_gc(), torch.cuda.stream(self.stream):  # (not torch.cuda.graph: it empties the caches)
                 graph.capture_begin(pool=self.pool)
                 try:
                     static_outputs = self.round_fn(*static)
