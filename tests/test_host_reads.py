@@ -192,17 +192,22 @@ def smc_models(tmp_path_factory, models):
     return {"draft": draft, "draft2": draft2, "target": target, "head": head}
 
 
+def stack_levels(parts: list[str], models: dict, gamma: int) -> list[dict]:
+    """Level configs from "kind:model" parts at T = 1; rejection levels draft `gamma` tokens."""
+    levels = []
+    for part in parts:
+        kind, model = part.split(":")
+        levels.append({"kind": kind, "model": str(models[model]), "temperature": 1.0})
+        if kind == "rejection":
+            levels[-1]["num_draft_tokens"] = gamma
+    return levels
+
+
 @pytest.mark.parametrize("name", list(SMC_STACKS))
 def test_smc_top_reads_once_per_cycle(smc_models, name):
     """Every SMC stack reads the device once per SMC cycle (the packed result copy), whatever levels sit
     below, resampling included; a constant number of reads outside the cycles (SETUP_READS)."""
-    levels = []
-    for part in SMC_STACKS[name]:
-        kind, model = part.split(":")
-        levels.append({"kind": kind, "model": str(smc_models[model]), "temperature": 1.0})
-        if kind == "rejection":
-            levels[-1]["num_draft_tokens"] = 2
-    levels.append({**SMC, "model": str(smc_models["target"])})
+    levels = [*stack_levels(SMC_STACKS[name], smc_models, gamma=2), {**SMC, "model": str(smc_models["target"])}]
     decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 8192}})
     stop = ["bb"] if name.endswith("stop-string") else []
     top = decoder.stack.top

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_host_reads import PROMPTS, models, smc_models  # noqa: F401  (module fixtures)
+from test_host_reads import PROMPTS, models, smc_models, stack_levels  # noqa: F401  (module fixtures)
 
 from hsmc.decoder import HierarchicalDecoder
 from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
@@ -46,14 +46,9 @@ def _host_ints(level) -> dict[tuple[int, str], tuple[object, int]]:
 
 @pytest.mark.parametrize("name", list(STACKS))
 def test_rounds_move_only_declared_host_ints_by_a_fixed_amount_per_shape(smc_models, name):  # noqa: F811
-    levels = []
-    for part in STACKS[name]:
-        kind, model = part.split(":")
-        levels.append({"kind": kind, "model": str(smc_models[model]), "temperature": 1.0})
-        if kind == "rejection":
-            levels[-1]["num_draft_tokens"] = 3
-        if kind == "smc":
-            levels[-1].update(particles=4, block_size=5)
+    levels = stack_levels(STACKS[name], smc_models, gamma=3)
+    if levels[-1]["kind"] == "smc":
+        levels[-1].update(particles=4, block_size=5)
     decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 8192}})
     graphed = [
         lv
