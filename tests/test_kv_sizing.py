@@ -54,6 +54,9 @@ def test_reserve_holds_the_widest_forwards_logits():
     cfg = load_config({"levels": levels, "engine": {"max_batch_rows": 128}})
     # 128 rows x 9 tokens (the smc block + bonus, wider than the 5 of a verify) x 151936 fp32 logits, 4 copies
     assert reserve_bytes(cfg, 151936) == RESERVE_BYTES + 4 * 128 * 9 * 151936 * 4
+    # with CUDA graphs the rejection round's 5 positions again, in the round graph's own pool
+    graphed = load_config({"levels": levels, "engine": {"max_batch_rows": 128, "device": "cuda"}})
+    assert reserve_bytes(graphed, 151936) == RESERVE_BYTES + 4 * 128 * (9 + 5) * 151936 * 4
 
 
 @pytest.fixture(scope="module")

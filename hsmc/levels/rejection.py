@@ -66,7 +66,7 @@ class RejectionLevel:
         self.rounds = None
         if graph_rounds:
             buckets = state.runner.graphs.context_buckets
-            self.rounds = RoundGraphs(self._round, self.graph_parts(), buckets, generator)
+            self.rounds = RoundGraphs(self._kept, self.graph_parts(), buckets, generator)
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         self.state.load_prompts(rows, prompts)
@@ -98,6 +98,8 @@ class RejectionLevel:
     def _draft(self, rows: torch.Tensor, k: int) -> Proposal:
         """Up to k tokens per row for a verifier above, with no host read. Such a caller always accepts what it
         was proposed, so no row holds surplus here and the cycles' distributions cover every handed position."""
+        if self.rounds is not None:
+            raise RuntimeError("a rejection level drafting for another must not graph its rounds (graph_rounds)")
         start = self.acknowledged[rows]
         torch._assert_async((self.state.seq_len[rows] == start).all(), "rejection drafter holds surplus tokens")
         cycles = -(-k // (self.gamma + 1))
@@ -196,11 +198,16 @@ class RejectionLevel:
     def _cycle(
         self, rows: torch.Tensor, active: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One round (`_round`), replayed from a CUDA graph with `graph_rounds`."""
+        """One round (`_round`), replayed from a CUDA graph with `graph_rounds` (then without its distributions)."""
         if self.rounds is None:
             return self._round(rows, active)
         with self.state.timer():
-            return self.rounds(rows, active)
+            return self.rounds(rows, active), None
+
+    def _kept(self, rows: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        """A round's kept-draft counts alone: a graph keeps its outputs alive (the distributions would be
+        R x (γ+1) x vocab floats per captured shape), and only a level drafting for another reads them."""
+        return self._round(rows, active)[0]
 
     def _round(
         self, rows: torch.Tensor, active: torch.Tensor | None = None
