@@ -43,14 +43,11 @@ def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0,
     prefill chunk (`prefill_activation_bytes`). The first three were each found missing on an H200 when the
     pools took the rest (`scripts/gpu_engine_check.py`, smcbench and fp8stack). With CUDA graphs a rejection
     round's logits come twice: its graph's pool holds its own (`RoundGraphs`)."""
-    width = max(
-        [1] + [c.block_size + 1 for c in cfg.levels if c.kind == "smc"]
-        + [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]
-    )  # fmt: skip
-    logits = LOGIT_COPIES * cfg.engine.max_batch_rows * width * vocab_size * 4
+    rounds = [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]  # a verify's positions
+    width = max([1, *rounds] + [c.block_size + 1 for c in cfg.levels if c.kind == "smc"])
     if cfg.engine.resolved_cuda_graphs:  # a graphed rejection round keeps its own copies in its graph's pool
-        rounds = [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]
-        logits += LOGIT_COPIES * cfg.engine.max_batch_rows * max(rounds, default=0) * vocab_size * 4
+        width += max(rounds, default=0)
+    logits = LOGIT_COPIES * cfg.engine.max_batch_rows * width * vocab_size * 4
     return RESERVE_BYTES + logits + 2 * largest_fp8_weight * 2 + prefill_activations
 
 
