@@ -9,7 +9,7 @@ tokens it consumes:
   of K in ceil(K / a) + margin rounds (`BlockFill`); under another rejection level, in ceil(k / (γ + 1))
   rounds; as a streaming top, one round per step, a tokens;
 - `smc` consumes K proposals, runs one target verify, and emits K + 1 tokens per particle, except in a
-  deferred cycle (its block was short), which emits none.
+  deferred cycle (its block was short), which emits none; a graphed cycle is measured whole.
 With each forward's time set to its weight bytes / memory bandwidth the same recursion gives the
 weight-read roofline bound of a step (batch 1 reads every weight once per forward).
 """
@@ -30,6 +30,7 @@ class LevelCost:
     block_size: int = 0  # smc: K
     deferral_rate: float = 0.0  # smc: share of cycles deferred (no tokens)
     round_includes_drafts: bool = False  # rejection: forward_ms is a whole (graphed) round, the drafter's steps in it
+    cycle_includes_proposal: bool = False  # smc: forward_ms is a whole (graphed) cycle, the proposal's in it
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def predict(levels: list[LevelCost]) -> Prediction:
     *below, top = levels
     if top.kind == "smc":
         k = top.block_size
-        fill = production_ms(below, k, under_smc=True) if k else 0.0
+        fill = production_ms(below, k, under_smc=True) if k and not top.cycle_includes_proposal else 0.0
         return Prediction(fill + top.forward_ms, (k + 1) * (1 - top.deferral_rate))
     if top.kind == "rejection":
         return Prediction(round_ms(levels), top.accepted_length)
@@ -79,7 +80,12 @@ def predict(levels: list[LevelCost]) -> Prediction:
 
 def roofline(levels: list[LevelCost], weight_ms: list[float]) -> Prediction:
     """The same stack with every forward taking `weight_ms` (its weights read once at the memory bandwidth)."""
-    return predict([replace(level, forward_ms=ms, round_includes_drafts=False) for level, ms in zip(levels, weight_ms)])
+    return predict(
+        [
+            replace(level, forward_ms=ms, round_includes_drafts=False, cycle_includes_proposal=False)
+            for level, ms in zip(levels, weight_ms)
+        ]
+    )
 
 
 def with_accepted_length(levels: list[LevelCost], accepted_length: float) -> list[LevelCost]:

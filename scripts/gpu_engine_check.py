@@ -24,10 +24,16 @@ smcbench `hsmc bench --config` of configs/bench/{smc,hierarchical,selfdraft}_8b_
          requests (random bf16 weights, 64-token prompts, 64 new tokens): tok/s per request and in all,
          cycle vs weight-read bound, per-level times, cost model (also at accepted length 3.5). The target is
          the 32B shape where the GPU holds it (≥ 120 GB: H200), else the 14B shape (H100), as printed.
-rounds   rejection rounds captured as CUDA graphs (`RoundGraphs`): tiny [model|eagle3, rejection(, rejection)
-         (, smc)] stacks on CUDA after a warm-up: replayed rounds, synchronizing calls, T = 1e-4 tokens CUDA ==
-         CPU, T = 1 graphed == eager rounds (same seed); then configs/bench/{eagle3_8b,hierarchical_8b_32b}.yaml
-         at 1/4/16 requests (64-token prompts, 128 new tokens), graphed vs eager rounds in the same run.
+rounds   rejection rounds captured as CUDA graphs (`RoundGraphs`): configs/bench/eagle3_8b.yaml at 1/4/16
+         requests (64-token prompts, 128 new tokens), graphed vs eager rounds in the same run; then tiny
+         [model|eagle3, rejection(, rejection)(, smc)] stacks on CUDA (SMC cycles eager, as with stop strings)
+         after a warm-up: replayed rounds, synchronizing calls, T = 1e-4 tokens CUDA == CPU, T = 1 graphed ==
+         eager rounds (same seed).
+cycles   SMC cycles captured as CUDA graphs (`SMCLevel.cycle_graphs`, a block fill's rounds inside):
+         configs/bench/{smc,hierarchical}_8b_32b.yaml (and smc at N=6 K=16) at 1/4/16 requests, graphed vs
+         eager cycles in the same run (`bench_stack` times both), the cycle graphs' memory pool against the KV
+         reserve's estimate; then the tiny SMC stacks of smcsync (continuous batching, mixed N): replayed
+         cycles, synchronizing calls, T = 1e-4 tokens CUDA == CPU, T = 1 graphed == eager cycles (same seed).
 fp8gemm  the Triton weight-only FP8 GEMM vs the dequantized fp32 reference over the 32B/8B Linears at
          M = 1..512 rows (> 256: dequantize + cuBLAS), timed against bf16 cuBLAS on the same weights, and a
          sweep of launch settings at M = 1.
@@ -422,12 +428,10 @@ def check_rounds() -> None:
     target = "random:qwen3-32b" if memory >= 120 else "random:qwen3-14b"
     bandwidth = copy_bandwidth(torch.device("cuda"), 2.0)
     say(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {bandwidth / 1e12:.3f} TB/s; smc target {target}")
-    for name in ("eagle3_8b", "hierarchical_8b_32b"):
+    for name in ("eagle3_8b",):
         began = time.perf_counter()
         try:
-            path = ROOT / "configs" / "bench" / f"{name}.yaml"
-            top = len(load_config(path).levels) - 1
-            config = load_config(path, [f"levels.{top}.model={target}"] if name.startswith("hierarchical") else [])
+            config = load_config(ROOT / "configs" / "bench" / f"{name}.yaml")
             decoder = HierarchicalDecoder(config_for_bench(config, [1, 4, 16], 64, 128))
             graphed = bench_stack(f"{name} graphed", decoder, [1, 4, 16], 64, 128, bandwidth)
             graphed_rejection(decoder).rounds = None
@@ -468,6 +472,9 @@ def check_rounds() -> None:
                 graphed = HierarchicalDecoder.from_config({**cfg, "engine": engine})
                 eager = HierarchicalDecoder.from_config({**cfg, "engine": engine})
                 graphed_rejection(eager).rounds = None
+                for decoder in (graphed, eager):  # rounds alone, as under an SMC level with stop strings
+                    if hasattr(decoder.stack.top, "cycle_graphs"):
+                        decoder.stack.top.cycle_graphs = None
                 graphed.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7)  # warm-up: captures the rounds
                 runs, syncs = synced_generate(graphed, prompts, 24, seed=7)
                 tokens = [r.token_ids for r in runs]
@@ -490,6 +497,112 @@ def check_rounds() -> None:
                 out[label] = {"error": f"{type(e).__name__}: {e}"}
                 say(f"!! rounds {label} failed: {type(e).__name__}: {e}")
     results["rounds"] = out
+
+
+def pool_bytes(pool) -> int:
+    """Bytes of the CUDA caching allocator's segments in a graph memory pool."""
+    segments = torch.cuda.memory_snapshot()
+    return sum(seg["total_size"] for seg in segments if tuple(seg["segment_pool_id"]) == tuple(pool))
+
+
+def check_cycles() -> None:
+    """SMC cycles captured as one CUDA graph each: speed on the real shapes (graphed vs eager cycles in the same
+    run, in a process that has run nothing else) and the cycle graphs' memory; then the tiny SMC stacks give the
+    CPU's tokens near-greedily with no synchronizing call after the warm-up, and at T = 1 the tokens of the same
+    stack with eager cycles (same seed)."""
+    from hsmc.engine.kv_sizing import LOGIT_COPIES
+
+    say("== graphed SMC cycles: speed, memory, CUDA == CPU, graphed == eager cycles, synchronizing calls ==")
+    out = {}
+    memory = torch.cuda.get_device_properties(0).total_memory / 1e9
+    target = "random:qwen3-32b" if memory >= 120 else "random:qwen3-14b"
+    bandwidth = copy_bandwidth(torch.device("cuda"), 2.0)
+    say(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {bandwidth / 1e12:.3f} TB/s; smc target {target}")
+    cases = [("smc_8b_32b", [], [1, 4, 16]), ("smc_8b_32b", ["particles=6", "block_size=16"], [1]),
+             ("hierarchical_8b_32b", [], [1, 4, 16])]  # fmt: skip
+    for name, smc_overrides, batches in cases:
+        began = time.perf_counter()
+        label = " ".join([name, *smc_overrides])
+        try:
+            path = ROOT / "configs" / "bench" / f"{name}.yaml"
+            top = len(load_config(path).levels) - 1
+            overrides = [f"levels.{top}.model={target}", *(f"levels.{top}.{o}" for o in smc_overrides)]
+            decoder = HierarchicalDecoder(config_for_bench(load_config(path, overrides), batches, 64, 128))
+            rows = bench_stack(label, decoder, batches, 64, 128, bandwidth)
+            say(format_stack_table(rows))
+            for r in rows:
+                say(f"{label}, {r.batch} requests: graphed cycles {r.tok_s_request:.1f} tok/s/req, eager cycles (same "
+                    f"run) {r.eager_cycles_tok_s_request:.1f}: {r.tok_s_request / r.eager_cycles_tok_s_request:.2f}x; "
+                    f"cycle {r.step_ms:.2f} ms, bound {r.bound_step_ms:.2f} ms ({r.of_bound:.2f}x); "
+                    f"{r.levels[-1].get('graphed_cycles', 0)} replays in the eager-cycle run (expect 0)")  # fmt: skip
+            smc = decoder.stack.top
+            rows_max, width = max(batches) * smc.params.particles, smc.params.block_size + 1
+            vocab = smc.state.runner.module.config.vocab_size
+            estimate = LOGIT_COPIES * rows_max * width * vocab * 4
+            used = pool_bytes(smc.cycle_graphs.memory.pool)
+            graphs, smc.cycle_graphs = smc.cycle_graphs, None  # the eager cycles' peak, for the same requests
+            ids = [[7] * 64 for _ in range(max(batches))]
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            decoder.generate(ids, max_new_tokens=48, ignore_eos=True)
+            eager_peak = torch.cuda.max_memory_allocated() - base
+            smc.cycle_graphs = graphs
+            say(f"{label}: cycle graphs' pool {used / 2**30:.2f} GiB for {len(graphs.captured)} captured shapes; "
+                f"eager cycles' peak above the resident memory {eager_peak / 2**30:.2f} GiB; the KV reserve's "
+                f"logits term for {rows_max} rows x {width}: {estimate / 2**30:.2f} GiB")  # fmt: skip
+            out[label] = {"rows": json.loads(to_json(rows)), "pool_bytes": used, "eager_peak": eager_peak,
+                          "reserve_term": estimate}  # fmt: skip
+            del decoder, smc, graphs
+        except Exception as e:  # e.g. out of memory: the other configs still run
+            import traceback
+
+            traceback.print_exc()
+            out[label] = {"error": f"{type(e).__name__}: {e}"}
+            say(f"!! cycles {label} failed: {type(e).__name__}: {e}")
+        say(f"({label}: {time.perf_counter() - began:.0f} s)")
+        gc.collect()
+        torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    root = Path(tempfile.mkdtemp())
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
+    greedy, sampled = smc_stacks(root / "greedy", 1e-4), smc_stacks(root / "sampled", 1.0)
+    cases = [(name, name, {}, {}) for name in greedy]
+    two = {"max_batch_rows": 8}  # rows for two of the four requests: the others join as rows free
+    cases += [(f"{name}-two-at-a-time", name, {}, two) for name in ("model-smc", "eagle3-rejection-smc")]
+    mixed = {"particles": [1, 4, 2, 3]}
+    cases += [(f"{name}-mixed-n", name, mixed, {}) for name in ("model-smc", "model-rejection-smc")]
+    for label, name, generation, rows in cases:
+        try:
+            engine = {"device": "cuda", "kv_capacity_tokens": 2048, **rows}
+            near = HierarchicalDecoder.from_config({**greedy[name], "engine": engine})
+            near.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7, **generation)  # warm-up: captures
+            runs, syncs = synced_generate(near, prompts, 24, seed=7, **generation)
+            cpu = HierarchicalDecoder.from_config({**greedy[name], "engine": {"kv_capacity_tokens": 2048, **rows}})
+            want = cpu.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7, **generation)
+            same = sum(a.token_ids == b.token_ids for a, b in zip(runs, want))
+            graphed = HierarchicalDecoder.from_config({**sampled[name], "engine": engine})
+            eager = HierarchicalDecoder.from_config({**sampled[name], "engine": engine})
+            eager.stack.top.cycle_graphs = None
+            tokens = {}
+            for tag, decoder in (("graphed", graphed), ("eager", eager)):
+                decoder.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7, **generation)
+                tokens[tag] = [r.token_ids for r in decoder.generate(prompts, max_new_tokens=24, ignore_eos=True,
+                                                                      seed=7, **generation)]  # fmt: skip
+            row = {"replays": near.stack.top.cycle_graphs.replays, "syncs": syncs, "cuda_equals_cpu": same,
+                   "sampled_replays": graphed.stack.top.cycle_graphs.replays,
+                   "graphed_equals_eager": tokens["graphed"] == tokens["eager"]}  # fmt: skip
+            out[label] = row
+            say(f"cycles {label}: T=1e-4 {row['replays']} replayed cycles, synchronizing ops: {syncs or 'none'}, "
+                f"CUDA == CPU {same}/{len(prompts)}; T=1 {row['sampled_replays']} replayed cycles, graphed == eager "
+                f"cycles (same seed): {row['graphed_equals_eager']}")  # fmt: skip
+        except Exception as e:  # one stack failing must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            out[label] = {"error": f"{type(e).__name__}: {e}"}
+            say(f"!! cycles {label} failed: {type(e).__name__}: {e}")
+    results["cycles"] = out
 
 
 def check_smollm2(gguf: Path) -> None:
@@ -1851,6 +1964,7 @@ def main() -> None:
         "fewlinears": check_few_linears,
         "decodeattn": check_decode_attention,
         "rounds": check_rounds,
+        "cycles": check_cycles,
         "fp8linears": check_fp8_linears,
         "w8a8sweep": check_w8a8_sweep,
     }

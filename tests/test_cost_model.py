@@ -53,6 +53,16 @@ def test_a_graphed_round_is_timed_whole():
     assert predict(streaming).step_ms == pytest.approx(7.0)
 
 
+def test_a_graphed_cycle_is_timed_whole():
+    """A graphed SMC cycle's 60 ms holds its K = 8 proposal steps: the cycle is 60 ms, not 8 x 5 + 60; its
+    bound still counts every forward, and a deferred cycle still emits nothing."""
+    stack = [LevelCost("model", 5.0), LevelCost("smc", 60.0, block_size=8, cycle_includes_proposal=True)]
+    assert predict(stack).step_ms == pytest.approx(60.0) and predict(stack).tokens_per_step == 9
+    assert roofline(stack, [3.9, 15.4]).step_ms == pytest.approx(8 * 3.9 + 15.4)
+    deferred = [stack[0], LevelCost("smc", 60.0, block_size=8, deferral_rate=0.25, cycle_includes_proposal=True)]
+    assert predict(deferred).tokens_per_step == pytest.approx(9 * 0.75)
+
+
 def test_rejection_tops_and_rejection_under_rejection():
     """[model 1 ms, rejection 4 ms (γ = 2), rejection 10 ms (γ = 3, 3 tokens per cycle)]: the lower level runs
     ceil(3 / 3) = 1 cycle of 2 drafts + its verify (6 ms) per top cycle of 16 ms and 3 tokens."""

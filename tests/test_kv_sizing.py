@@ -54,9 +54,12 @@ def test_reserve_holds_the_widest_forwards_logits():
     cfg = load_config({"levels": levels, "engine": {"max_batch_rows": 128}})
     # 128 rows x 9 tokens (the smc block + bonus, wider than the 5 of a verify) x 151936 fp32 logits, 4 copies
     assert reserve_bytes(cfg, 151936) == RESERVE_BYTES + 4 * 128 * 9 * 151936 * 4
-    # with CUDA graphs the rejection round's 5 positions again, in the round graph's own pool
+    # with CUDA graphs the graphs' pool holds a round's 4 copies of 5 positions or a cycle's 2 of 9: the larger
     graphed = load_config({"levels": levels, "engine": {"max_batch_rows": 128, "device": "cuda"}})
-    assert reserve_bytes(graphed, 151936) == RESERVE_BYTES + 4 * 128 * (9 + 5) * 151936 * 4
+    assert reserve_bytes(graphed, 151936) == RESERVE_BYTES + (4 * 9 + 4 * 5) * 128 * 151936 * 4
+    levels[1]["num_draft_tokens"] = 1
+    graphed = load_config({"levels": levels, "engine": {"max_batch_rows": 128, "device": "cuda"}})
+    assert reserve_bytes(graphed, 151936) == RESERVE_BYTES + (4 * 9 + 2 * 9) * 128 * 151936 * 4
 
 
 @pytest.fixture(scope="module")

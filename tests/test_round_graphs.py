@@ -1,11 +1,13 @@
-"""What a captured rejection round (`hsmc.engine.round_graphs.RoundGraphs`) relies on, checked on the CPU.
+"""What a captured rejection round or SMC cycle (`hsmc.engine.round_graphs.RoundGraphs`) relies on, checked on
+the CPU.
 
 A CUDA graph replays a round's kernels but not its Python: the host ints the round's code changes must be
 declared by the levels (`graph_parts`) so a replay can advance them, and a round of one shape must move them
 by the same amount every time. Both are checked here on every round of real runs, over the stacks whose top
-rejection level gets graphed rounds on CUDA. When a shape is captured is checked with the capture stubbed.
-(Capture and replay need a GPU: `scripts/gpu_engine_check.py --sections rounds` compares them with the CPU
-and with eager rounds.)
+rejection level gets graphed rounds on CUDA, and on every SMC cycle of the SMC stacks. When a shape is
+captured, and that rounds inside a graphed round run eagerly, is checked with the capture stubbed.
+(Capture and replay need a GPU: `scripts/gpu_engine_check.py --sections rounds,cycles` compares them with the
+CPU and with eager rounds and cycles.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.rejection import RejectionLevel
 
 STACKS = {
+    "model-smc": ["model:draft", "smc:target"],
     "model-rejection": ["model:draft", "rejection:target"],
     "eagle3-rejection": ["eagle3:head", "rejection:draft"],
     "model-rejection-rejection": ["model:draft", "rejection:draft2", "rejection:target"],
@@ -44,12 +47,48 @@ def _host_ints(level) -> dict[tuple[int, str], tuple[object, int]]:
     return found
 
 
-@pytest.mark.parametrize("name", list(STACKS))
-def test_rounds_move_only_declared_host_ints_by_a_fixed_amount_per_shape(smc_models, name):  # noqa: F811
-    levels = stack_levels(STACKS[name], smc_models, gamma=3)
+def _watch(owner, method: str, fields: list[HostField], key_of) -> dict[str, int]:
+    """Wrap `owner.<method>` (a round) so every call checks that it changes no undeclared host int under `owner`
+    and that calls of one key (`key_of(*args)` + the key fields) move the declared ones by the same amount."""
+    declared = {(id(f.owner), f.name) for f in fields}
+    deltas: dict[tuple, tuple[int, ...]] = {}
+    seen = {"rounds": 0, "repeats": 0, "moved": 0}
+    plain = getattr(owner, method)
+
+    def watched(*args):
+        before_all, before = _host_ints(owner), [getattr(f.owner, f.name) for f in fields]
+        out = plain(*args)
+        after_all, after = _host_ints(owner), [getattr(f.owner, f.name) for f in fields]
+        changed = {k for k, (_, v) in before_all.items() if after_all[k][1] != v}
+        undeclared = [f"{type(before_all[k][0]).__name__}.{k[1]}" for k in changed - declared]
+        assert not undeclared, f"a round changed host ints no level declares: {undeclared}"
+        key = (key_of(*args), tuple(v for f, v in zip(fields, before) if f.role == "key"))
+        delta = tuple(a - b for a, b in zip(after, before))
+        seen["repeats"] += key in deltas
+        seen["moved"] += any(delta)
+        assert deltas.setdefault(key, delta) == delta, f"rounds of one shape moved the host ints differently: {key}"
+        seen["rounds"] += 1
+        return out
+
+    setattr(owner, method, watched)
+    return seen
+
+
+def _decoder(name: str, tiny: dict) -> HierarchicalDecoder:
+    levels = stack_levels(STACKS[name], tiny, gamma=3)
     if levels[-1]["kind"] == "smc":
         levels[-1].update(particles=4, block_size=5)
-    decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 8192}})
+    return HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 8192}})
+
+
+def _decode(decoder: HierarchicalDecoder) -> None:
+    decoder.generate(PROMPTS, max_new_tokens=30, ignore_eos=True)
+    decoder.generate(PROMPTS[:1], max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", [n for n in STACKS if "rejection" in n])
+def test_rounds_move_only_declared_host_ints_by_a_fixed_amount_per_shape(smc_models, name):  # noqa: F811
+    decoder = _decoder(name, smc_models)
     graphed = [
         lv
         for lv, above in zip(decoder.stack.levels, decoder.stack.levels[1:] + [None])
@@ -57,32 +96,23 @@ def test_rounds_move_only_declared_host_ints_by_a_fixed_amount_per_shape(smc_mod
     ]
     assert len(graphed) == 1
     level = graphed[0]
-    fields = level.graph_parts().host
-    declared = {(id(f.owner), f.name) for f in fields}
-    deltas: dict[tuple, tuple[int, ...]] = {}
-    rounds = repeats = 0
-    plain = level._round
+    seen = _watch(level, "_round", level.graph_parts().host, lambda rows, active=None: (len(rows), active is None))
+    _decode(decoder)
+    assert seen["rounds"] > 10 and seen["repeats"] > seen["rounds"] // 2 and seen["moved"]
 
-    def watched(rows, active=None):
-        nonlocal rounds, repeats
-        before_all, before = _host_ints(level), [getattr(f.owner, f.name) for f in fields]
-        out = plain(rows, active)
-        after_all, after = _host_ints(level), [getattr(f.owner, f.name) for f in fields]
-        changed = {k for k, (_, v) in before_all.items() if after_all[k][1] != v}
-        undeclared = [f"{type(before_all[k][0]).__name__}.{k[1]}" for k in changed - declared]
-        assert not undeclared, f"a round changed host ints no level declares: {undeclared}"
-        key = (len(rows), active is None, tuple(v for f, v in zip(fields, before) if not f.grows))
-        delta = tuple(a - b for a, b in zip(after, before))
-        repeats += key in deltas
-        assert deltas.setdefault(key, delta) == delta, f"rounds of one shape moved the host ints differently: {key}"
-        rounds += 1
-        return out
 
-    level._round = watched
-    decoder.generate(PROMPTS, max_new_tokens=30, ignore_eos=True)
-    decoder.generate(PROMPTS[:1], max_new_tokens=12, ignore_eos=True)
-    assert rounds > 10 and repeats > rounds // 2
-    assert any(d != 0 for delta in deltas.values() for d in delta)  # the check compared something that moves
+@pytest.mark.parametrize("name", [n for n in STACKS if n.endswith("smc")])
+def test_smc_cycles_move_only_declared_host_ints_by_a_fixed_amount_per_shape(smc_models, name):  # noqa: F811
+    """The unit a graphed SMC cycle captures (resampling and forks, the proposal or block fill, the verify, the
+    ends and weights) over every level below: the fill's planned rounds are a key, its counts advance."""
+    decoder = _decoder(name, smc_models)
+    top = decoder.stack.top
+    fields = top.graph_parts().host
+    seen = _watch(top, "_decided_cycle", fields, lambda rows, slots, *rest: (len(rows), len(slots)))
+    _decode(decoder)
+    assert seen["rounds"] >= 8 and seen["repeats"] >= 3 and seen["moved"]
+    if "rejection" in name:
+        assert {"planned", "blocks", "rounds_run"} <= {f.name for f in fields}
 
 
 class _Counter:
@@ -102,7 +132,7 @@ def test_a_shape_is_captured_once_it_makes_half_of_the_last_rounds_and_deltas_mu
         state.length += grow["by"]
         return rows + 1
 
-    parts = GraphParts(host=[HostField(state, "length", grows=True), HostField(state, "pending")])
+    parts = GraphParts(host=[HostField(state, "length", "length"), HostField(state, "pending")])
     graphs = RoundGraphs(round_fn, parts, context_buckets=[16, 64, 256], generator=None)
     captures = []
 
@@ -128,3 +158,36 @@ def test_a_shape_is_captured_once_it_makes_half_of_the_last_rounds_and_deltas_mu
     grow["by"] = 5
     with pytest.raises(RuntimeError, match=r"\(5, 0\) and \(3, 0\)"):
         graphs(rows[5])  # eager (5 rounds long ago): its move is checked
+
+
+def test_rounds_inside_a_round_being_captured_run_eagerly(monkeypatch):
+    """A block fill's rejection rounds inside an SMC cycle: while the outer round is captured the inner graphs
+    neither replay nor capture nor count shapes; while it runs eagerly they work as they would alone."""
+    state = _Counter()
+
+    def inner_fn(rows):
+        state.length += 1
+        return rows + 1
+
+    length = [HostField(state, "length", "length")]
+    inner = RoundGraphs(inner_fn, GraphParts(host=length), [64], generator=None)
+    outer = RoundGraphs(lambda rows: inner(inner(rows)), GraphParts(host=length, graphs=[inner]), [64], None)
+    captured = []
+
+    def fake_capture(graphs, key, inputs, before, after, context):  # the capture's runs, without a GPU
+        captured.append(graphs)
+        with graphs._inside(context):
+            return graphs.round_fn(*inputs)
+
+    for graphs in (inner, outer):
+        monkeypatch.setattr(graphs, "_capture", lambda *args, g=graphs: fake_capture(g, *args))
+    outer.capture_after = 4
+    rows = torch.zeros(3, dtype=torch.int64)
+    for _ in range(3):
+        assert (outer(rows) == 2).all()
+    assert captured == [] and len(inner.recent) == 6  # eager outer rounds: the inner ones count as usual
+    assert (outer(rows) == 2).all()
+    assert captured == [outer] and len(inner.recent) == 6 and not inner.inside_outer  # captured: inner untouched
+    for _ in range(2):
+        inner(rows)
+    assert captured == [outer, inner]

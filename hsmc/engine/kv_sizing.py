@@ -20,6 +20,7 @@ from hsmc.models.config import DecoderConfig
 
 RESERVE_BYTES = 3 * 2**30  # CUDA graph pools, the levels' buffers, activations, cuBLAS workspaces
 LOGIT_COPIES = 4  # fp32 logits of the widest forward live several times at once (logits, log-softmax, weights)
+GRAPH_LOGIT_COPIES = 2  # and again in the pool of the graphed rounds / cycles (CUDA graphs)
 MARGIN = 0.08  # of the free memory: allocator fragmentation
 GIB = 2**30
 
@@ -42,12 +43,17 @@ def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0,
     elements), which a forward of more rows than the FP8 kernel takes dequantizes, and the activations of one
     prefill chunk (`prefill_activation_bytes`). The first three were each found missing on an H200 when the
     pools took the rest (`scripts/gpu_engine_check.py`, smcbench and fp8stack). With CUDA graphs a rejection
-    round's logits come twice: its graph's pool holds its own (`RoundGraphs`)."""
+    round's or an SMC cycle's logits come again, in their graphs' pool (`RoundGraphs`; a cycle and the rounds
+    inside it share one): the larger of a round's `LOGIT_COPIES` and a cycle's `GRAPH_LOGIT_COPIES`. Measured on an
+    H200 (`--sections cycles`, float64 weights scored a position at a time): an eager SMC cycle peaks at 7.8
+    bytes per logit, the cycle graphs' pool holds 15-18 (its 2-3 captured shapes fit each other's blocks
+    imperfectly), together 23-25 against the 24 reserved for a cycle."""
     rounds = [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]  # a verify's positions
-    width = max([1, *rounds] + [c.block_size + 1 for c in cfg.levels if c.kind == "smc"])
-    if cfg.engine.resolved_cuda_graphs:  # a graphed rejection round keeps its own copies in its graph's pool
-        width += max(rounds, default=0)
-    logits = LOGIT_COPIES * cfg.engine.max_batch_rows * width * vocab_size * 4
+    cycles = [c.block_size + 1 for c in cfg.levels if c.kind == "smc"]
+    positions = LOGIT_COPIES * max([1, *rounds, *cycles])
+    if cfg.engine.resolved_cuda_graphs:
+        positions += max(LOGIT_COPIES * max(rounds, default=0), GRAPH_LOGIT_COPIES * max(cycles, default=0))
+    logits = positions * cfg.engine.max_batch_rows * vocab_size * 4
     return RESERVE_BYTES + logits + 2 * largest_fp8_weight * 2 + prefill_activations
 
 

@@ -43,12 +43,13 @@ class ForwardTimer:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Forwards inside are not timed: a graphed round (`RoundGraphs`) is timed as a whole by its level."""
-        self._paused = True
+        """Forwards inside are not timed: a graphed round (`RoundGraphs`) is timed as a whole by its level (a
+        round inside a graphed round leaves it paused)."""
+        was, self._paused = self._paused, True
         try:
             yield
         finally:
-            self._paused = False
+            self._paused = was
 
     def seconds(self) -> float:
         if self._events:

@@ -181,7 +181,7 @@ class TokenRows:
         self.len_bound = min(self.len_bound, bound)
 
     def graph_parts(self) -> GraphParts:
-        return GraphParts(host=[HostField(self, "len_bound", grows=True)])
+        return GraphParts(host=[HostField(self, "len_bound", "length")])
 
     def copy_rows(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """dst ← src, up to the length bound (a row's tail past its length is never read)."""

@@ -8,6 +8,9 @@ measured tokens per round (device counters that ride along with the SMC cycle's 
 idle through masks; the surplus stays buffered for the next block. A row still short after those rounds
 does not stop the cycle: its group's SMC step is deferred (skipped on the device, the group waits) and the
 next cycle's rounds complete it. Deferral only delays a step, so the output distribution is unchanged.
+
+The number of rounds for the next block (`planned`, for the SMC level's K, which it sets as `block`) is a
+host int a captured SMC cycle is keyed by; the blocks and rounds counted are statistics it advances.
 """
 
 from __future__ import annotations
@@ -22,12 +25,22 @@ class BlockFill:
         """`cycles`, `emitted`: the level's device counters of row-rounds run and tokens they emitted."""
         self.gamma = gamma
         self.margin = margin  # rounds beyond the expected need (tests lower it to force deferrals)
+        self.block = 0  # K of the smc level above (set by it)
         self.cycles, self.emitted = cycles, emitted
         self.reset()
 
+    @property
+    def planned(self) -> int:
+        """Rounds the next block of the smc level above will run."""
+        return self.rounds_for(self.block)
+
+    def rounds_for(self, k: int) -> int:
+        """Rounds for a block of k tokens (at least 1; a row already holding k only idles)."""
+        return max(1, math.ceil(k / self.per_round) + self.margin)
+
     def rounds(self, k: int) -> int:
-        """Rounds to run for a block of k tokens (at least 1; a row already holding k only idles)."""
-        n = max(1, math.ceil(k / self.per_round) + self.margin)
+        """Rounds to run for a block of k tokens now, counted."""
+        n = self.rounds_for(k)
         self.blocks += 1
         self.rounds_run += n
         return n

@@ -170,7 +170,10 @@ class RejectionLevel:
         self.drafter.set_len_bound(bound + ahead)
 
     def graph_parts(self) -> GraphParts:
-        return self.state.graph_parts() + self.drafter.graph_parts() + GraphParts(host=[HostField(self, "ahead")])
+        """What a round touches (a graph of a round of the level above holds this level's round graphs inside)."""
+        inner = [self.rounds] if self.rounds is not None else []
+        own = GraphParts(host=[HostField(self, "ahead")], graphs=inner)
+        return self.state.graph_parts() + self.drafter.graph_parts() + own
 
     def reset_stats(self) -> None:
         self.state.timer.reset()

@@ -29,17 +29,23 @@ read, so the host reads cycle t while cycle t+1 already runs (a finished group r
 masked). With stop strings the host must see the text before the weights: it reads after the verify,
 uploads each particle's kept count and end, and the weights follow; no overlap there, and a group
 finished by the host gets its result from the next read (one more read after the last cycle).
+
+With `graph_cycles` (CUDA) a cycle whose ends the device decides — everything from the resampling plan to
+the weights and the record — is captured and replayed as one CUDA graph per shape (`RoundGraphs`: groups,
+rows, the planned fill rounds), and timed as a whole.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
 from hsmc.engine.host_io import PendingRead, read_counters, upload
+from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
 from hsmc.engine.sampler import gumbel_noise, sample
 from hsmc.engine.scheduler import Admission
 from hsmc.levels.base import Level, SequenceState
@@ -123,23 +129,31 @@ class _Group:
 
 @dataclass
 class _Cycle:
-    """One launched cycle (or the x0 step): its groups and rows, the device values its weighing needs, and
+    """One launched cycle (or the x0 step): its rows, the device values its weighing needs, its groups and
     its packed read."""
 
-    groups: list[_Group]
     rows: torch.Tensor
     ancestors: torch.Tensor  # int64 [G, N], within each group
     flags: torch.Tensor  # bool [3, G]: resampled, live (before the cycle), stepped (not deferred)
-    go: torch.Tensor  # bool [R]: the row's group stepped
+    go: torch.Tensor | None  # bool [R]: the row's group stepped (None once weighed)
     tokens: torch.Tensor  # int64 [R, W]: the new tokens (K drafts + bonus, or x0)
     scores: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # target logits, drafts, log q
+    groups: list[_Group] = field(default_factory=list)
     read: PendingRead | None = None
 
 
 class SMCLevel:
     step_growth = 0  # not a streaming top: `run` drives its own cycles
 
-    def __init__(self, state: SequenceState, proposal: Level, params: SMCParams, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        state: SequenceState,
+        proposal: Level,
+        params: SMCParams,
+        generator: torch.Generator,
+        graph_cycles: bool = False,
+    ) -> None:
+        """`graph_cycles`: capture each cycle as one CUDA graph (the runner must have CUDA graphs)."""
         self.state = state
         self.proposal = proposal
         self.params = params
@@ -158,15 +172,33 @@ class SMCLevel:
         self.awaiting: list[_Group] = []  # finished by the host (stop strings): results come with the next read
         self.ess_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.cycles = self.group_cycles = self.resamples = self.deferred = 0
+        if proposal.fill is not None:
+            proposal.fill.block = params.block_size
+        self.cycle_graphs = None
+        if graph_cycles:
+            buckets = state.runner.graphs.context_buckets
+            self.cycle_graphs = RoundGraphs(self._decided_cycle, self.graph_parts(), buckets, generator)
+
+    def graph_parts(self) -> GraphParts:
+        """What a cycle touches besides device tensors: every level's runners, timers and host ints."""
+        own = [HostField(self, "slot_size"), HostField(self, "max_new_tokens")]
+        if (fill := self.proposal.fill) is not None:
+            own += [HostField(fill, "planned")]
+            own += [HostField(fill, "blocks", "count"), HostField(fill, "rounds_run", "count")]
+        return self.state.graph_parts() + self.proposal.graph_parts() + GraphParts(host=own)
 
     def reset_stats(self) -> None:
         self.state.timer.reset()
         self.cycles = self.group_cycles = self.resamples = self.deferred = 0
         self.ess_sum.zero_()
+        if self.cycle_graphs is not None:
+            self.cycle_graphs.replays = 0
 
     def stats(self) -> dict[str, float]:
+        """With graphed cycles `forward_seconds` / `forwards` time whole cycles (the proposal's included), and
+        `graphed_cycles` counts the replays."""
         group_cycles = max(self.group_cycles, 1)
-        return {
+        stats = {
             "cycles": self.cycles,
             "mean_ess_fraction": read_counters(self.ess_sum)[0] / group_cycles,
             "resample_rate": self.resamples / group_cycles,
@@ -174,6 +206,9 @@ class SMCLevel:
             "forward_seconds": self.state.timer.seconds(),
             "forwards": self.state.timer.count,
         }
+        if self.cycle_graphs is not None:
+            stats["graphed_cycles"] = self.cycle_graphs.replays
+        return stats
 
     def set_len_bound(self, bound: int) -> None:
         self.state.bound_lengths(bound)
@@ -292,40 +327,68 @@ class SMCLevel:
         go = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
         for g in groups:
             g.unread += 1
-        return self._read(_Cycle(groups, rows, identity, flags, go, x0[:, None]))
+        step = _Cycle(rows, identity, flags, go, x0[:, None], groups=groups)
+        return self._read(step, self._decide(step, self.stop_ids))
 
     def _launch(self, groups: list[_Group]) -> _Cycle:
         """Enqueue one cycle of the live groups and its read (no live group: only the read of the results,
         for groups the host has finished)."""
         live = [g for g in groups if g.live]
         self._bound_lengths(groups)
-        rows = self._index([r for g in live for r in g.rows])
         for g in live:
             g.unread += self.params.block_size + 1
         if not live:
-            n, empty = self.slot_size, torch.zeros(0, dtype=torch.int64, device=rows.device)
-            flags = torch.zeros(3, 0, dtype=torch.bool, device=rows.device)
-            return self._read(_Cycle([], rows, empty.view(0, n), flags, empty.bool(), empty.view(0, 1)))
-        return self._read(self._cycle(live, rows))
+            n, empty = self.slot_size, torch.zeros(0, dtype=torch.int64, device=self.state.seq.device)
+            flags = torch.zeros(3, 0, dtype=torch.bool, device=empty.device)
+            step = _Cycle(empty, empty.view(0, n), flags, empty.bool(), empty.view(0, 1))
+            return self._read(step, self._decide(step, self.stop_ids))
+        self.cycles += 1
+        index = self._cycle_index(live)
+        if not self.device_ends:  # weighed once the host has read the text
+            step = self._cycle(*index)
+            step.groups = live
+            return self._read(step, self._record())
+        with self.state.timer() if self.cycle_graphs is not None else nullcontext():
+            ancestors, flags, tokens, record = (self.cycle_graphs or self._decided_cycle)(*index, self.stop_ids)
+        return self._read(_Cycle(index[0], ancestors, flags, None, tokens, groups=live), record)
 
-    def _read(self, step: _Cycle) -> _Cycle:
-        """Decide the ends and weights on the device where it can, then pack the cycle's one read."""
+    def _cycle_index(self, groups: list[_Group]) -> tuple[torch.Tensor, ...]:
+        """The cycle's rows, the groups' slots, each particle's place among the slots' rows (slot j's rows are
+        j*N .. j*N+N-1) and each row's group, uploaded at once."""
+        n = self.slot_size
+        rows = [r for g in groups for r in g.rows]
+        slots = [g.slot for g in groups]
+        real = [j * n + i for j, g in enumerate(groups) for i in range(g.particles)]
+        group_of_row = [j for j, g in enumerate(groups) for _ in g.rows]
+        index = self._index(rows + slots + real + group_of_row)
+        return index.split([len(rows), len(slots), len(real), len(group_of_row)])
+
+    def _decided_cycle(self, *index_and_stop_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A cycle whose ends the device decides, weighed: what its read takes (the unit `cycle_graphs` captures).
+        Takes `_cycle_index`'s tensors and the stop ids."""
+        *index, stop_ids = index_and_stop_ids
+        step = self._cycle(*index)
+        record = self._decide(step, stop_ids)
+        return step.ancestors, step.flags, step.tokens, record
+
+    def _decide(self, step: _Cycle, stop_ids: torch.Tensor) -> torch.Tensor:
+        """The ends and weights of a step the device decides (no stop strings); then every group's would-be result."""
         if self.device_ends:
-            kept, ends = output_ends(step.tokens, self.generated[step.rows], self.stop_ids, self.max_new_tokens)
+            kept, ends = output_ends(step.tokens, self.generated[step.rows], stop_ids, self.max_new_tokens)
             self._weigh(step, kept, ends)
+        return self._record()
+
+    def _read(self, step: _Cycle, record: torch.Tensor) -> _Cycle:
+        """Pack the step's one read: ancestors, flags, tokens, the fill's counters and the record."""
         fill = self.proposal.fill.counters() if self.proposal.fill is not None else []
-        step.read = PendingRead(step.ancestors, step.flags, step.tokens, *fill, self._record())
+        step.read = PendingRead(step.ancestors, step.flags, step.tokens, *fill, record)
         return step
 
-    def _cycle(self, groups: list[_Group], rows: torch.Tensor) -> _Cycle:
+    def _cycle(self, rows: torch.Tensor, slots: torch.Tensor, real: torch.Tensor, group_of_row: torch.Tensor) -> _Cycle:
         """Resampling plan and fork, K proposals, one target forward, the bonus (all on the device)."""
         p = self.params
-        n, k, g = self.slot_size, p.block_size, len(groups)
-        self.cycles += 1
-        slots = self._index([grp.slot for grp in groups])
+        n, k, g = self.slot_size, p.block_size, len(slots)
         grid = (slots[:, None] * n + torch.arange(n, device=rows.device)).reshape(-1)  # every row of the slots
-        real = self._index([j * n + i for j, grp in enumerate(groups) for i in range(grp.particles)])  # in grid
-        group_of_row = self._index([j for j, grp in enumerate(groups) for _ in grp.rows])
         counts = self.counts[slots]
         logw = self.logw[grid].view(g, n)
         live = ~self.finished[grid].view(g, n).all(-1)
@@ -362,8 +425,8 @@ class SMCLevel:
             logq = torch.zeros(len(rows), 0, device=rows.device)
         go = group_go[group_of_row]
         step = self.state.forward(rows)
-        target = step.last(k + 1).float()  # L_0..L_K
-        bonus, _ = sample(p.alpha * target[:, k], p.temperature, self.generator)
+        target = step.last(k + 1)  # L_0..L_K, in the model's dtype: weighed a position at a time
+        bonus, _ = sample(p.alpha * target[:, k].float(), p.temperature, self.generator)
         # a deferred row drops its drafts and its seed's KV: the seed is processed again next cycle
         keep_len = torch.where(go, base + k, base - 1)
         self.state.truncate(rows, keep_len, torch.where(go, bonus, seed), max_drop=k + 1)
@@ -373,7 +436,7 @@ class SMCLevel:
             self.proposal.accept(rows, base + k, bonus, features, mask=mask)
         flags = torch.stack([resampled, live, group_go])
         new_tokens = torch.cat([draft, bonus[:, None]], 1)
-        return _Cycle(groups, rows, ancestors, flags, go, new_tokens, (target, draft, logq))
+        return _Cycle(rows, ancestors, flags, go, new_tokens, (target, draft, logq))
 
     def _weigh(self, step: _Cycle, kept: torch.Tensor, ends: torch.Tensor) -> None:
         """Apply the ends (kept tokens [R], output ended [R]) of a step: weights over the kept tokens, the

@@ -157,7 +157,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
             params = SMCParams(
                 lc.particles, lc.block_size, lc.alpha, lc.temperature, lc.ess_threshold, lc.resampling, lc.selection
             )
-            levels.append(SMCLevel(state, below, params, generator))
+            levels.append(SMCLevel(state, below, params, generator, graph_cycles=graphs))
     _check_same_vocabulary(cfg.levels, vocabularies)
     tokenizer = next((t for _, t in reversed(vocabularies) if t is not None), None)
     top = model_of(cfg.levels[-1]).model

@@ -33,14 +33,17 @@ def weight_increments(
     alpha: float,
     temperature: float,
 ) -> torch.Tensor:
-    """delta log-weight float64 [N] for target_logits [N, K+1, V], drafts/logq [N, K] and kept [N] in 1..K+1."""
+    """delta log-weight float64 [N] for target_logits [N, K+1, V] (any float dtype), drafts/logq [N, K] and kept
+    [N] in 1..K+1. Each position is scored in float64 on its own, so the float64 temporaries are [N, V], not
+    [N, K+1, V]: scored at once, 128 particles x 9 positions of a 152k vocabulary held ~4 GB of them (H200)."""
     k = draft_tokens.shape[1]
-    scaled = target_logits.double() / temperature
-    logp = torch.log_softmax(scaled[:, :k], dim=-1).gather(-1, draft_tokens[..., None]).squeeze(-1)
-    inc = alpha * logp - draft_logq.double()
-    counted = torch.arange(k, device=inc.device)[None, :] < kept[:, None]
+    inc = torch.zeros(draft_tokens.shape[0], dtype=torch.float64, device=draft_tokens.device)
+    for j in range(k):
+        scaled = target_logits[:, j].double() / temperature
+        logp = scaled.gather(-1, draft_tokens[:, j, None]).squeeze(-1) - torch.logsumexp(scaled, -1)
+        inc += torch.where(kept > j, alpha * logp - draft_logq[:, j].double(), 0.0)
     log_z = log_normalizer(target_logits[:, k], alpha, temperature)
-    return (inc * counted).sum(-1) + torch.where(kept > k, log_z, 0.0)
+    return inc + torch.where(kept > k, log_z, 0.0)
 
 
 def effective_sample_size(logw: torch.Tensor) -> torch.Tensor:
