@@ -105,6 +105,7 @@ from hsmc.ops.triton_backend import TritonBackend  # noqa: E402
 
 results: dict = {}
 summary: list[str] = []
+TINY_PROMPTS = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]  # of the tiny-model sections
 
 
 def say(line: str) -> None:
@@ -322,7 +323,7 @@ def check_tiny() -> None:
     stacks = tiny_stack_configs(root)
     stacks["rejection-two-at-a-time"] = {**stacks["rejection"], "engine": {"max_batch_rows": 2}}  # the others join
     for name, cfg in stacks.items():
-        prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
+        prompts = TINY_PROMPTS
         same, n, syncs = greedy_cuda_vs_cpu(cfg, prompts, 24)
         out[name] = {"greedy_equal": same, "syncs": syncs}
         say(f"tiny stack {name}: greedy CUDA == CPU {n}/{len(prompts)}; synchronizing ops: {syncs or 'none'}")
@@ -358,20 +359,26 @@ def smc_stacks(root: Path, temperature: float) -> dict[str, dict]:
     return configs
 
 
+def smc_cases(root: Path) -> tuple[dict[str, dict], dict[str, dict], list[tuple[str, str, dict, dict]]]:
+    """The tiny SMC stacks at T = 1e-4 and at T = 1, and the cases to run them in: (label, stack, generation
+    options, engine options) for each stack, two stacks with rows for two of the four requests at a time (the
+    others join as rows free: continuous batching) and two with different N per request."""
+    greedy, sampled = smc_stacks(root / "greedy", 1e-4), smc_stacks(root / "sampled", 1.0)
+    cases = [(name, name, {}, {}) for name in greedy]
+    two = {"max_batch_rows": 8}
+    cases += [(f"{name}-two-at-a-time", name, {}, two) for name in ("model-smc", "eagle3-rejection-smc")]
+    mixed = {"particles": [1, 4, 2, 3]}  # groups of the largest N's rows
+    cases += [(f"{name}-mixed-n", name, mixed, {}) for name in ("model-smc", "model-rejection-smc")]
+    return greedy, sampled, cases
+
+
 def check_smc_sync() -> None:
     say("== tiny SMC stacks on CUDA: synchronizing calls, near-greedy CUDA == CPU, same seed twice ==")
     torch.backends.cuda.matmul.allow_tf32 = False
-    root = Path(tempfile.mkdtemp())
-    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
+    prompts = TINY_PROMPTS
     out = {}
-    greedy, sampled = smc_stacks(root / "greedy", 1e-4), smc_stacks(root / "sampled", 1.0)
-    cases = [(name, name, {}, {}) for name in greedy] + [("model-smc-stop-string", "model-smc", {"stop": ["bb"]}, {})]
-    # rows for two of the four requests: the others join as rows free (continuous batching)
-    two = {"max_batch_rows": 8}
-    cases += [(f"{name}-two-at-a-time", name, {}, two) for name in ("model-smc", "eagle3-rejection-smc")]
-    # requests with different N in one batch (groups of the largest N's rows)
-    mixed = {"particles": [1, 4, 2, 3]}
-    cases += [(f"{name}-mixed-n", name, mixed, {}) for name in ("model-smc", "model-rejection-smc")]
+    greedy, sampled, cases = smc_cases(Path(tempfile.mkdtemp()))
+    cases.append(("model-smc-stop-string", "model-smc", {"stop": ["bb"]}, {}))
     for label, name, generation, rows in cases:
         try:
             same, n, syncs = greedy_cuda_vs_cpu({**greedy[name], "engine": rows}, prompts, 24, **generation)
@@ -388,11 +395,16 @@ def check_smc_sync() -> None:
     results["smcsync"] = out
 
 
+def smc_target() -> str:
+    """The SMC target of the bench configs on this GPU: the 32B shape where it fits beside the 8B, else the 14B."""
+    memory = torch.cuda.get_device_properties(0).total_memory / 1e9
+    return "random:qwen3-32b" if memory >= 120 else "random:qwen3-14b"
+
+
 def check_smc_bench() -> None:
     say("== SMC stacks on the real shapes, random bf16 weights: hsmc bench --config ==")
-    memory = torch.cuda.get_device_properties(0).total_memory / 1e9
-    target = "random:qwen3-32b" if memory >= 120 else "random:qwen3-14b"
-    say(f"GPU memory {memory:.0f} GB: target {target} (the 32B's 65.5 GB + the 8B's 16.4 GB need ≥ 120 GB)")
+    target = smc_target()
+    say(f"target {target} (the 32B's 65.5 GB + the 8B's 16.4 GB need ≥ 120 GB)")
     out = {}
     for name in ("smc_8b_32b", "hierarchical_8b_32b", "selfdraft_8b_32b"):
         began = time.perf_counter()
@@ -424,10 +436,8 @@ def check_rounds() -> None:
     in a process that has run nothing else."""
     say("== graphed rejection rounds: CUDA == CPU, graphed == eager rounds, synchronizing calls, speed ==")
     out = {}
-    memory = torch.cuda.get_device_properties(0).total_memory / 1e9
-    target = "random:qwen3-32b" if memory >= 120 else "random:qwen3-14b"
     bandwidth = copy_bandwidth(torch.device("cuda"), 2.0)
-    say(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {bandwidth / 1e12:.3f} TB/s; smc target {target}")
+    say(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {bandwidth / 1e12:.3f} TB/s")
     for name in ("eagle3_8b",):
         began = time.perf_counter()
         try:
@@ -451,7 +461,7 @@ def check_rounds() -> None:
         torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
     root = Path(tempfile.mkdtemp())
-    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
+    prompts = TINY_PROMPTS
     engine = {"device": "cuda", "kv_capacity_tokens": 2048}
     for temperature in (1e-4, 1.0):
         folder = root / f"t{temperature}"
@@ -514,8 +524,7 @@ def check_cycles() -> None:
 
     say("== graphed SMC cycles: speed, memory, CUDA == CPU, graphed == eager cycles, synchronizing calls ==")
     out = {}
-    memory = torch.cuda.get_device_properties(0).total_memory / 1e9
-    target = "random:qwen3-32b" if memory >= 120 else "random:qwen3-14b"
+    target = smc_target()
     bandwidth = copy_bandwidth(torch.device("cuda"), 2.0)
     say(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {bandwidth / 1e12:.3f} TB/s; smc target {target}")
     cases = [("smc_8b_32b", [], [1, 4, 16]), ("smc_8b_32b", ["particles=6", "block_size=16"], [1]),
@@ -564,14 +573,8 @@ def check_cycles() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
-    root = Path(tempfile.mkdtemp())
-    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3, 4]]
-    greedy, sampled = smc_stacks(root / "greedy", 1e-4), smc_stacks(root / "sampled", 1.0)
-    cases = [(name, name, {}, {}) for name in greedy]
-    two = {"max_batch_rows": 8}  # rows for two of the four requests: the others join as rows free
-    cases += [(f"{name}-two-at-a-time", name, {}, two) for name in ("model-smc", "eagle3-rejection-smc")]
-    mixed = {"particles": [1, 4, 2, 3]}
-    cases += [(f"{name}-mixed-n", name, mixed, {}) for name in ("model-smc", "model-rejection-smc")]
+    prompts = TINY_PROMPTS
+    greedy, sampled, cases = smc_cases(Path(tempfile.mkdtemp()))
     for label, name, generation, rows in cases:
         try:
             engine = {"device": "cuda", "kv_capacity_tokens": 2048, **rows}

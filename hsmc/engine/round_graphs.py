@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -49,8 +49,8 @@ class HostField:
 
     owner: Any
     name: str
-    role: str = "key"  # "key": a graph is valid for one value; "length": a length bound, advances by the round's
-    # measured amount and picks the context bucket; "count": a statistic, advances by the measured amount
+    role: Literal["key", "length", "count"] = "key"  # key: a graph is valid for one value; length: a length bound,
+    # advances by the round's measured amount and picks the context bucket; count: a statistic, advances by it
 
 
 @dataclass
@@ -60,7 +60,7 @@ class GraphParts:
     runners: list[ModelRunner] = field(default_factory=list)
     timers: list[ForwardTimer] = field(default_factory=list)
     host: list[HostField] = field(default_factory=list)
-    graphs: list[RoundGraphs] = field(default_factory=list)  # of rounds inside this one: eager while it runs
+    graphs: list[RoundGraphs] = field(default_factory=list)  # of rounds inside this one: eager while it is captured
 
     def __add__(self, other: GraphParts) -> GraphParts:
         return GraphParts(
