@@ -78,6 +78,8 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -395,6 +397,24 @@ def check_smc_sync() -> None:
     results["smcsync"] = out
 
 
+@contextmanager
+def real_shape_case(section: str, label: str, out: dict) -> Iterator[None]:
+    """One real-shape case of a section: timed, its failure (e.g. out of memory) recorded in `out` and printed
+    without stopping the other cases, its GPU memory handed back afterwards."""
+    began = time.perf_counter()
+    try:
+        yield
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        out[label] = {"error": f"{type(e).__name__}: {e}"}
+        say(f"!! {section} {label} failed: {type(e).__name__}: {e}")
+    say(f"({label}: {time.perf_counter() - began:.0f} s)")
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def smc_target() -> str:
     """The SMC target of the bench configs on this GPU: the 32B shape where it fits beside the 8B, else the 14B."""
     memory = torch.cuda.get_device_properties(0).total_memory / 1e9
@@ -407,20 +427,13 @@ def check_smc_bench() -> None:
     say(f"target {target} (the 32B's 65.5 GB + the 8B's 16.4 GB need ≥ 120 GB)")
     out = {}
     for name in ("smc_8b_32b", "hierarchical_8b_32b", "selfdraft_8b_32b"):
-        began = time.perf_counter()
-        try:
+        with real_shape_case("smcbench", name, out):
             path = ROOT / "configs" / "bench" / f"{name}.yaml"
             top = len(load_config(path).levels) - 1
             config = load_config(path, [f"levels.{top}.model={target}"])
             rows, table = run_bench([], config, [1, 4, 16], 64, 64, "bfloat16", False, {}, name)
             say(table)
             out[name] = json.loads(to_json(rows))
-        except Exception as e:  # one config failing (e.g. out of memory) must not hide the others
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-            say(f"!! smcbench {name} failed: {type(e).__name__}: {e}")
-        say(f"({name}: {time.perf_counter() - began:.0f} s)")
-        gc.collect()
-        torch.cuda.empty_cache()
     results["smcbench"] = {"target": target, **out}
 
 
@@ -439,8 +452,7 @@ def check_rounds() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"), 2.0)
     say(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {bandwidth / 1e12:.3f} TB/s")
     for name in ("eagle3_8b",):
-        began = time.perf_counter()
-        try:
+        with real_shape_case("rounds", name, out):
             config = load_config(ROOT / "configs" / "bench" / f"{name}.yaml")
             decoder = HierarchicalDecoder(config_for_bench(config, [1, 4, 16], 64, 128))
             graphed = bench_stack(f"{name} graphed", decoder, [1, 4, 16], 64, 128, bandwidth)
@@ -453,12 +465,6 @@ def check_rounds() -> None:
                     f"{e.step_ms:.2f} ms, bound {g.bound_step_ms:.2f} ms")  # fmt: skip
             out[name] = {"graphed": json.loads(to_json(graphed)), "eager": json.loads(to_json(eager))}
             del decoder
-        except Exception as e:  # e.g. out of memory: the other config still runs
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-            say(f"!! rounds {name} failed: {type(e).__name__}: {e}")
-        say(f"({name}: {time.perf_counter() - began:.0f} s)")
-        gc.collect()
-        torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
     root = Path(tempfile.mkdtemp())
     prompts = TINY_PROMPTS
@@ -530,9 +536,8 @@ def check_cycles() -> None:
     cases = [("smc_8b_32b", [], [1, 4, 16]), ("smc_8b_32b", ["particles=6", "block_size=16"], [1]),
              ("hierarchical_8b_32b", [], [1, 4, 16])]  # fmt: skip
     for name, smc_overrides, batches in cases:
-        began = time.perf_counter()
         label = " ".join([name, *smc_overrides])
-        try:
+        with real_shape_case("cycles", label, out):
             path = ROOT / "configs" / "bench" / f"{name}.yaml"
             top = len(load_config(path).levels) - 1
             overrides = [f"levels.{top}.model={target}", *(f"levels.{top}.{o}" for o in smc_overrides)]
@@ -563,15 +568,6 @@ def check_cycles() -> None:
             out[label] = {"rows": json.loads(to_json(rows)), "pool_bytes": used, "eager_peak": eager_peak,
                           "reserve_term": estimate}  # fmt: skip
             del decoder, smc, graphs
-        except Exception as e:  # e.g. out of memory: the other configs still run
-            import traceback
-
-            traceback.print_exc()
-            out[label] = {"error": f"{type(e).__name__}: {e}"}
-            say(f"!! cycles {label} failed: {type(e).__name__}: {e}")
-        say(f"({label}: {time.perf_counter() - began:.0f} s)")
-        gc.collect()
-        torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
     prompts = TINY_PROMPTS
     greedy, sampled, cases = smc_cases(Path(tempfile.mkdtemp()))

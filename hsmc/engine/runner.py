@@ -4,8 +4,8 @@ Every model forward in hsmc goes through `ModelRunner.forward`: the levels' deco
 the EAGLE3 head's drafting, and the verifier pass of EAGLE3 training. `new_tokens` turns per-row
 token counts into a `ForwardBatch` (allocating their KV slots); `forward` runs it eagerly, or on CUDA
 replays the graph captured for the batch's (rows bucket, tokens per row) shape (`CUDAGraphs`). A whole
-rejection round of several forwards may itself be captured (`RoundGraphs`); its forwards then run eagerly
-inside that capture.
+rejection round or SMC cycle of several forwards may itself be captured (`RoundGraphs`); its forwards then
+run eagerly inside that capture.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ModelRunner:
         device = tables.table.device
         self.cache = KVCache(num_layers, tables.allocator.num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.graphs = CUDAGraphs(self) if cuda_graphs else None
-        self.fixed_context: int | None = None  # set while a round is captured: every forward's context bound
+        self.fixed_context: int | None = None  # set while a round or cycle is captured: every forward's context bound
 
     @property
     def device(self) -> torch.device:
