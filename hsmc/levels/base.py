@@ -63,7 +63,7 @@ class Proposal:
     tokens: torch.Tensor  # int64 [R, k]
     logq: torch.Tensor  # float [R, k]: log-prob of each token under the level's guaranteed distribution
     logprobs: torch.Tensor | None  # float [R, k, V]: that full distribution; None = deterministic (one-hot),
-    # or, from a rejection level asked for exactly k (under smc, which reads logq only), not kept
+    # or not kept: a level asked for exactly k (by smc, which reads logq only) hands no distributions
     count: torch.Tensor | None = None  # int64 [R]: tokens[i, :count[i]] are proposals (at_most); None = all k
     ready: torch.Tensor | None = None  # bool [R]: rows whose k tokens are all there (a block fill); None = all
 

@@ -106,7 +106,7 @@ class Eagle3Level:
             tok, lp = sample(last, self.temperature, self.generator)
             tokens.append(tok)
             logq.append(lp)
-            if self.temperature > 0:
+            if self.temperature > 0 and at_most:  # a verifier above needs q(·); smc reads logq alone
                 logprobs.append(torch.log_softmax(last / self.temperature, -1))
         drafts = torch.stack(tokens, 1)
         self.state.append(rows, drafts)

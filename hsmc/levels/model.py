@@ -35,7 +35,7 @@ class ModelLevel:
             self.state.append(rows, tok[:, None])
             tokens.append(tok)
             logq.append(lp)
-            if self.temperature > 0:
+            if self.temperature > 0 and at_most:  # a verifier above needs q(·); smc reads logq alone
                 logprobs.append(torch.log_softmax(last.float() / self.temperature, -1))
         self.proposed = k
         return Proposal(

@@ -304,7 +304,7 @@ class SMCLevel:
             dst = self._index([r for g in groups for r in g.rows[1:]])
             self.state.fork(src, dst)
             self.proposal.fork(src, dst)
-        x0, _ = sample(p.alpha * logits[group_of_row], p.temperature, self.generator)
+        x0, _ = sample(logits[group_of_row], p.temperature / p.alpha, self.generator)  # softmax(α·ℓ/T)
         prompt_len = self.state.seq_len[rows]
         self.state.append(rows, x0[:, None])
         self.proposal.accept(rows, prompt_len, x0, features and features.take(group_of_row))
@@ -425,8 +425,8 @@ class SMCLevel:
             logq = torch.zeros(len(rows), 0, device=rows.device)
         go = group_go[group_of_row]
         step = self.state.forward(rows)
-        target = step.last(k + 1)  # L_0..L_K, in the model's dtype: weighed a position at a time
-        bonus, _ = sample(p.alpha * target[:, k].float(), p.temperature, self.generator)
+        target = step.last(k + 1)  # L_0..L_K, in the model's dtype (weighed without a float64 copy)
+        bonus, _ = sample(target[:, k], p.temperature / p.alpha, self.generator)  # softmax(α·ℓ/T)
         # a deferred row drops its drafts and its seed's KV: the seed is processed again next cycle
         keep_len = torch.where(go, base + k, base - 1)
         self.state.truncate(rows, keep_len, torch.where(go, bonus, seed), max_drop=k + 1)

@@ -18,11 +18,22 @@ from __future__ import annotations
 import torch
 
 
+def logsumexp_scaled(logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 logsumexp(scale · ℓ) over the last dim of logits [..., V]: one pass over the logits in a Triton
+    kernel on CUDA (`hsmc.ops.vocab`), torch on the CPU."""
+    if logits.is_cuda:
+        from hsmc.ops.vocab import logsumexp_rows
+
+        return logsumexp_rows(logits.reshape(-1, logits.shape[-1]), scale).view(logits.shape[:-1])
+    return torch.logsumexp(logits.double() * scale, -1)
+
+
 def log_normalizer(logits: torch.Tensor, alpha: float, temperature: float) -> torch.Tensor:
     """log Σ_x p_T(x)^alpha for each row of logits [..., V]: the weight of a token drawn from softmax(alpha·ℓ/T)
     in place of p_T^alpha (float64; 0 when alpha = 1)."""
-    scaled = logits.double() / temperature
-    return torch.logsumexp(alpha * scaled, -1) - alpha * torch.logsumexp(scaled, -1)
+    if alpha == 1:
+        return torch.zeros(logits.shape[:-1], dtype=torch.float64, device=logits.device)
+    return logsumexp_scaled(logits, alpha / temperature) - alpha * logsumexp_scaled(logits, 1 / temperature)
 
 
 def weight_increments(
@@ -34,16 +45,15 @@ def weight_increments(
     temperature: float,
 ) -> torch.Tensor:
     """delta log-weight float64 [N] for target_logits [N, K+1, V] (any float dtype), drafts/logq [N, K] and kept
-    [N] in 1..K+1. Each position is scored in float64 on its own, so the float64 temporaries are [N, V], not
-    [N, K+1, V]: scored at once, 128 particles x 9 positions of a 152k vocabulary held ~4 GB of them (H200)."""
+    [N] in 1..K+1. The log-sum-exps are float64 reductions that never hold a float64 copy of the logits (at 128
+    particles x 9 positions of a 152k vocabulary such copies took ~4 GB on an H200)."""
     k = draft_tokens.shape[1]
-    inc = torch.zeros(draft_tokens.shape[0], dtype=torch.float64, device=draft_tokens.device)
-    for j in range(k):
-        scaled = target_logits[:, j].double() / temperature
-        logp = scaled.gather(-1, draft_tokens[:, j, None]).squeeze(-1) - torch.logsumexp(scaled, -1)
-        inc += torch.where(kept > j, alpha * logp - draft_logq[:, j].double(), 0.0)
-    log_z = log_normalizer(target_logits[:, k], alpha, temperature)
-    return inc + torch.where(kept > k, log_z, 0.0)
+    lse = logsumexp_scaled(target_logits, 1 / temperature)  # [N, K+1]
+    drafted = target_logits[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1).double() / temperature
+    inc = alpha * (drafted - lse[:, :k]) - draft_logq.double()
+    counted = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
+    log_z = 0.0 if alpha == 1 else logsumexp_scaled(target_logits[:, k], alpha / temperature) - alpha * lse[:, k]
+    return torch.where(counted, inc, 0.0).sum(1) + torch.where(kept > k, log_z, 0.0)
 
 
 def effective_sample_size(logw: torch.Tensor) -> torch.Tensor:
