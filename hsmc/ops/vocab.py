@@ -111,9 +111,11 @@ def gumbel_max(logits: torch.Tensor, temperature: float, seed: torch.Tensor) -> 
 
 
 @triton.jit
-def _lse_partials(logits_ptr, part_ptr, V, stride_row, scale, num_blocks, BLOCK: tl.constexpr):
-    """Block `program_id(1)` of row `program_id(0)`: max and sum of exp of logits * scale, in float64."""
-    row, block, _, _, x = _scaled_block(logits_ptr, V, stride_row, scale, tl.float64, BLOCK)
+def _lse_partials(logits_ptr, part_ptr, V, stride_row, scale_hi, scale_lo, num_blocks, BLOCK: tl.constexpr):
+    """Block `program_id(1)` of row `program_id(0)`: max and sum of exp of logits * scale, in float64; the scale
+    comes as two float32 parts (Triton passes a Python float as float32) whose float64 sum is exact."""
+    row, block, _, _, x = _scaled_block(logits_ptr, V, stride_row, 1.0, tl.float64, BLOCK)
+    x = tl.where(x == float("-inf"), x, x * scale_hi + x * scale_lo)  # (-inf) * (hi + lo) stays -inf
     m, s = _max_and_sum_exp(x)
     base = part_ptr + (row * num_blocks + block) * 2
     tl.store(base, m)
@@ -137,6 +139,9 @@ def logsumexp_rows(logits: torch.Tensor, scale: float) -> torch.Tensor:
     logits, blocks, partials = _partials(logits, 2, torch.float64)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.float64, device=logits.device)
-    _lse_partials[(rows, blocks)](logits, partials, vocab, logits.stride(0), scale, blocks, BLOCK=BLOCK, num_warps=8)
+    hi = float(torch.tensor(scale, dtype=torch.float32))
+    _lse_partials[(rows, blocks)](
+        logits, partials, vocab, logits.stride(0), hi, scale - hi, blocks, BLOCK=BLOCK, num_warps=8
+    )
     _lse_finish[(rows,)](partials, out, blocks, BLOCKS=max(16, triton.next_power_of_2(blocks)))
     return out

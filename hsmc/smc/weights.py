@@ -28,12 +28,15 @@ def logsumexp_scaled(logits: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.logsumexp(logits.double() * scale, -1)
 
 
-def log_normalizer(logits: torch.Tensor, alpha: float, temperature: float) -> torch.Tensor:
+def log_normalizer(
+    logits: torch.Tensor, alpha: float, temperature: float, lse: torch.Tensor | None = None
+) -> torch.Tensor:
     """log Σ_x p_T(x)^alpha for each row of logits [..., V]: the weight of a token drawn from softmax(alpha·ℓ/T)
-    in place of p_T^alpha (float64; 0 when alpha = 1)."""
+    in place of p_T^alpha (float64; 0 when alpha = 1). `lse`: logsumexp(ℓ/T) of the rows, if already known."""
     if alpha == 1:
         return torch.zeros(logits.shape[:-1], dtype=torch.float64, device=logits.device)
-    return logsumexp_scaled(logits, alpha / temperature) - alpha * logsumexp_scaled(logits, 1 / temperature)
+    lse = logsumexp_scaled(logits, 1 / temperature) if lse is None else lse
+    return logsumexp_scaled(logits, alpha / temperature) - alpha * lse
 
 
 def weight_increments(
@@ -52,7 +55,7 @@ def weight_increments(
     drafted = target_logits[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1).double() / temperature
     inc = alpha * (drafted - lse[:, :k]) - draft_logq.double()
     counted = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
-    log_z = 0.0 if alpha == 1 else logsumexp_scaled(target_logits[:, k], alpha / temperature) - alpha * lse[:, k]
+    log_z = log_normalizer(target_logits[:, k], alpha, temperature, lse[:, k])
     return torch.where(counted, inc, 0.0).sum(1) + torch.where(kept > k, log_z, 0.0)
 
 
