@@ -213,24 +213,22 @@ def level_modules(decoder: Any) -> list[torch.nn.Module]:
 
 
 def level_costs(decoder: Any, stats: list[dict[str, Any]]) -> list[LevelCost]:
-    """The cost model's view of a run: each level's measured forward time and acceptance."""
-    costs = []
-    for lc, level, st in zip(decoder.stack.configs, decoder.stack.levels, stats):
-        fill = getattr(level, "fill", None)
-        costs.append(
-            LevelCost(
-                kind=lc.kind,
-                forward_ms=st["forward_ms"],
-                gamma=lc.num_draft_tokens,
-                accepted_length=st.get("mean_accepted_length", 1.0),
-                fill_margin=fill.margin if fill is not None else 0,
-                block_size=lc.block_size,
-                deferral_rate=st.get("deferred_step_rate", 0.0),
-                round_includes_drafts="graphed_rounds" in st,
-                cycle_includes_proposal="graphed_cycles" in st,
-            )
+    """The cost model's view of a run: each level's measured forward time, acceptance, fill rounds and deferrals."""
+    return [
+        LevelCost(
+            kind=lc.kind,
+            forward_ms=st["forward_ms"],
+            gamma=lc.num_draft_tokens,
+            accepted_length=st.get("mean_accepted_length", 1.0),
+            fill_rounds=st.get("mean_fill_rounds"),
+            block_size=lc.block_size,
+            particles=lc.particles,
+            deferral_rate=st.get("deferred_step_rate"),
+            round_includes_drafts="graphed_rounds" in st,
+            cycle_includes_proposal="graphed_cycles" in st,
         )
-    return costs
+        for lc, st in zip(decoder.stack.configs, stats)
+    ]
 
 
 def bench_stack(
@@ -255,13 +253,15 @@ def bench_stack(
         ids = torch.randint(0, vocab, (b, prompt_tokens), generator=g).tolist()
 
         def measure() -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
-            """Decode seconds, and the level stats of the 1-token and of the N-token run, after a warm-up run
-            (kernels compiled, graphs captured: a round's or a cycle's graph after 8 of its shape)."""
+            """Decode seconds, and the level stats of the 1-token and of the N-token run, after two warm-up runs
+            (kernels compiled, graphs captured: a round's or a cycle's graph once its shape made 8 of the last 16,
+            and a run of 128 tokens at K = 16 is 8 cycles)."""
             runs: list[list] = []
 
             def run(n: int) -> None:
                 runs.append(decoder.generate(ids, max_new_tokens=n, ignore_eos=True))
 
+            run(new_tokens)
             run(new_tokens)
             t_one = timed(lambda: run(1), device)
             t_all = timed(lambda: run(new_tokens), device)

@@ -6,10 +6,12 @@ tokens it consumes:
   pairs, then a forward per further draft);
 - `rejection` produces tokens in rounds of (γ drafts from below + one verify; a graphed round is measured
   whole); a round yields the accepted length a (accepted drafts + 1) per row. Under `smc` it fills a block
-  of K in ceil(K / a) + margin rounds (`BlockFill`); under another rejection level, in ceil(k / (γ + 1))
-  rounds; as a streaming top, one round per step, a tokens;
+  of K in the rounds measured, or in those `BlockFill` plans at accepted length a (the i.i.d. acceptance
+  model's yields; the target verify priced at its measured time in rounds); under another rejection level,
+  in ceil(k / (γ + 1)) rounds; as a streaming top, one round per step, a tokens;
 - `smc` consumes K proposals, runs one target verify, and emits K + 1 tokens per particle, except in a
-  deferred cycle (its block was short), which emits none; a graphed cycle is measured whole.
+  deferred cycle (its block was short), which emits none: the share measured, or the plan's; a graphed cycle
+  is measured whole.
 With each forward's time set to its weight bytes / memory bandwidth the same recursion gives the
 weight-read roofline bound of a step (batch 1 reads every weight once per forward).
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from hsmc.levels.block_fill import geometric_yield_law, plan_rounds
+
 
 @dataclass(frozen=True)
 class LevelCost:
@@ -26,9 +30,10 @@ class LevelCost:
     forward_ms: float  # one forward of this level's model over the batch (draft step, verify, target verify)
     gamma: int = 0  # rejection: drafts per round
     accepted_length: float = 1.0  # rejection: tokens per round per row (accepted drafts + 1)
-    fill_margin: int = 1  # rejection under smc: rounds beyond ceil(K / accepted_length)
+    fill_rounds: float | None = None  # rejection under smc: rounds per block (None: as `BlockFill` plans them)
     block_size: int = 0  # smc: K
-    deferral_rate: float = 0.0  # smc: share of cycles deferred (no tokens)
+    particles: int = 1  # smc: N, the rows a block fill must fill before a group steps
+    deferral_rate: float | None = None  # smc: share of cycles deferred, no tokens (None: the block fill's plan)
     round_includes_drafts: bool = False  # rejection: forward_ms is a whole (graphed) round, the drafter's steps in it
     cycle_includes_proposal: bool = False  # smc: forward_ms is a whole (graphed) cycle, the proposal's in it
 
@@ -43,21 +48,32 @@ class Prediction:
         return 1000 * self.tokens_per_step / self.step_ms if self.step_ms > 0 else 0.0
 
 
-def rejection_rounds(level: LevelCost, k: int, under_smc: bool) -> int:
-    """Rounds a rejection level runs to hand k tokens per row to the level above."""
-    if under_smc:
-        return max(1, math.ceil(k / level.accepted_length) + level.fill_margin)
-    return math.ceil(k / (level.gamma + 1))
+def block_fill(proposal: list[LevelCost], smc: LevelCost) -> tuple[float, float]:
+    """Rounds per block and share of cycles deferred when a rejection level (on top of `proposal`) fills the
+    smc level's blocks: as measured where given, else as `BlockFill` plans them at the accepted length."""
+    rejection = proposal[-1]
+    if rejection.fill_rounds is not None and smc.deferral_rate is not None:
+        return rejection.fill_rounds, smc.deferral_rate
+    if smc.cycle_includes_proposal:
+        raise ValueError("a graphed cycle's time holds its rounds: plan a block fill from an eager cycle's times")
+    law = geometric_yield_law(rejection.accepted_length, rejection.gamma)
+    rounds, deferred = plan_rounds(smc.block_size, law, smc.particles, smc.forward_ms / round_ms(proposal))
+    return (
+        rounds if rejection.fill_rounds is None else rejection.fill_rounds,
+        deferred if smc.deferral_rate is None else smc.deferral_rate,
+    )
 
 
-def production_ms(levels: list[LevelCost], k: int, under_smc: bool = False) -> float:
-    """Time for the stack `levels` (bottom to top) to produce k tokens per row for the level above it."""
+def production_ms(levels: list[LevelCost], k: int, fill_rounds: float | None = None) -> float:
+    """Time for the stack `levels` (bottom to top) to produce k tokens per row for the level above it
+    (`fill_rounds`: a rejection top's rounds for an smc level's block)."""
     *below, top = levels
     if top.kind in ("model", "eagle3"):
         return k * top.forward_ms
     if top.kind != "rejection":
         raise ValueError(f"a {top.kind!r} level does not propose to a level above")
-    return rejection_rounds(top, k, under_smc) * round_ms(levels)
+    rounds = fill_rounds if fill_rounds is not None else math.ceil(k / (top.gamma + 1))
+    return rounds * round_ms(levels)
 
 
 def round_ms(levels: list[LevelCost]) -> float:
@@ -70,9 +86,11 @@ def predict(levels: list[LevelCost]) -> Prediction:
     """Step time and tokens per row of the stack's top level."""
     *below, top = levels
     if top.kind == "smc":
-        k = top.block_size
-        fill = production_ms(below, k, under_smc=True) if k and not top.cycle_includes_proposal else 0.0
-        return Prediction(fill + top.forward_ms, (k + 1) * (1 - top.deferral_rate))
+        k, rounds, deferred = top.block_size, None, top.deferral_rate or 0.0
+        if k and below[-1].kind == "rejection":
+            rounds, deferred = block_fill(below, top)
+        fill = production_ms(below, k, rounds) if k and not top.cycle_includes_proposal else 0.0
+        return Prediction(fill + top.forward_ms, (k + 1) * (1 - deferred))
     if top.kind == "rejection":
         return Prediction(round_ms(levels), top.accepted_length)
     return Prediction(top.forward_ms, 1.0)
@@ -89,5 +107,7 @@ def roofline(levels: list[LevelCost], weight_ms: list[float]) -> Prediction:
 
 
 def with_accepted_length(levels: list[LevelCost], accepted_length: float) -> list[LevelCost]:
-    """Every rejection level at a stated accepted length (e.g. a real EAGLE3 head's 3-4 tokens per verify)."""
-    return [replace(lv, accepted_length=accepted_length) if lv.kind == "rejection" else lv for lv in levels]
+    """Every rejection level at a stated accepted length (e.g. a real EAGLE3 head's 3-4 tokens per verify), its
+    block fill's rounds and deferrals as planned at that length rather than as measured."""
+    stated = {"rejection": dict(accepted_length=accepted_length, fill_rounds=None), "smc": dict(deferral_rate=None)}
+    return [replace(lv, **stated.get(lv.kind, {})) for lv in levels]

@@ -11,6 +11,7 @@ from hsmc.cli import main
 from hsmc.cost_model import LevelCost, predict, roofline, with_accepted_length
 from hsmc.decoder import HierarchicalDecoder
 from hsmc.errors import ConfigError
+from hsmc.levels.block_fill import geometric_yield_law, plan_rounds
 
 
 def test_smc_over_a_model():
@@ -26,17 +27,29 @@ def test_smc_over_a_model():
 
 
 def test_hierarchical_block_fill_and_deferrals():
-    """A block of 16 at 3.5 tokens per round: ceil(16 / 3.5) + 1 = 6 rounds of 4 head steps (0.5 ms) and one
-    8 ms verify = 60 ms, plus the 20 ms target verify; a tenth of the cycles deferred: 17 * 0.9 tokens."""
+    """Measured: 6 rounds per block of 16, each 4 head steps (0.5 ms) and one 8 ms verify = 60 ms, plus the 20 ms
+    target verify; a tenth of the cycles deferred: 17 * 0.9 tokens."""
     stack = [
         LevelCost("eagle3", 0.5),
-        LevelCost("rejection", 8.0, gamma=4, accepted_length=3.5, fill_margin=1),
-        LevelCost("smc", 20.0, block_size=16, deferral_rate=0.1),
+        LevelCost("rejection", 8.0, gamma=4, accepted_length=3.5, fill_rounds=6),
+        LevelCost("smc", 20.0, block_size=16, particles=6, deferral_rate=0.1),
     ]
     p = predict(stack)
     assert p.step_ms == pytest.approx(80.0) and p.tokens_per_step == pytest.approx(15.3)
-    # a perfect drafter (accepted length γ + 1 = 5): ceil(16 / 5) + 1 = 5 rounds
-    assert predict(with_accepted_length(stack, 5.0)).step_ms == pytest.approx(5 * 10 + 20)
+    # a perfect drafter (accepted length γ + 1 = 5): ceil(16 / 5) = 4 rounds never defer
+    perfect = predict(with_accepted_length(stack, 5.0))
+    assert perfect.step_ms == pytest.approx(4 * 10 + 20) and perfect.tokens_per_step == pytest.approx(17)
+    # at 3.5 tokens per round: the rounds and deferrals the block fill plans for 6 particles, the 20 ms verify
+    # costing 2 rounds of 10 ms
+    rounds, deferred = plan_rounds(16, geometric_yield_law(3.5, 4), 6, 2.0)
+    stated = predict(with_accepted_length(stack, 3.5))
+    assert stated.step_ms == pytest.approx(rounds * 10 + 20)
+    assert stated.tokens_per_step == pytest.approx(17 * (1 - deferred))
+    assert rounds == 7 and 0.05 < deferred < 0.2
+    # a graphed cycle's time holds its rounds: nothing to plan a fill from
+    graphed = [*stack[:2], LevelCost("smc", 80.0, block_size=16, particles=6, cycle_includes_proposal=True)]
+    with pytest.raises(ValueError, match="graphed cycle"):
+        predict(with_accepted_length(graphed, 3.5))
 
 
 def test_a_graphed_round_is_timed_whole():
@@ -44,8 +57,8 @@ def test_a_graphed_round_is_timed_whole():
     20; its weight-read bound still counts every forward (4 head reads of 0.2 ms + the 8B's 4 ms per round)."""
     stack = [
         LevelCost("eagle3", 0.5),
-        LevelCost("rejection", 10.0, gamma=4, accepted_length=3.5, fill_margin=1, round_includes_drafts=True),
-        LevelCost("smc", 20.0, block_size=16),
+        LevelCost("rejection", 10.0, gamma=4, accepted_length=3.5, fill_rounds=6, round_includes_drafts=True),
+        LevelCost("smc", 20.0, block_size=16, deferral_rate=0.0),
     ]
     assert predict(stack).step_ms == pytest.approx(6 * 10 + 20)
     assert roofline(stack, [0.2, 4.0, 15.0]).step_ms == pytest.approx(6 * (4 * 0.2 + 4.0) + 15.0)

@@ -61,5 +61,5 @@ def _nest(flat: list, shape: tuple[int, ...]) -> list:
 
 
 def read_counters(*counters: torch.Tensor) -> list[float]:
-    """Several device scalars (statistics kept on the device) read in one copy, at the end of a run."""
+    """Statistics kept on the device (scalars or vectors) read in one copy, at the end of a run."""
     return PendingRead(torch.stack([c.double() for c in counters])).result()

@@ -33,6 +33,7 @@ from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
 from hsmc.engine.sampler import gumbel_noise
 from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput, masked_accept
 from hsmc.levels.block_fill import BlockFill
+from hsmc.models.shapes import weight_bytes
 
 
 class RejectionLevel:
@@ -60,13 +61,18 @@ class RejectionLevel:
         self.seq_logq = torch.zeros(max_rows, width, dtype=torch.float32, device=device)
         self.acknowledged = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.ahead = 0  # most tokens a row holds past what the caller acknowledged (bounds accept's rollback)
-        self.cycles = torch.zeros((), dtype=torch.int64, device=device)  # device counters, read by stats()
-        self.emitted = torch.zeros((), dtype=torch.int64, device=device)
-        self.fill = BlockFill(num_draft_tokens, self.cycles, self.emitted)
+        # row-rounds by tokens emitted (entry i: i + 1), on the device: read by stats() and the block fill
+        self.yields = torch.zeros(num_draft_tokens + 1, dtype=torch.int64, device=device)
+        self.fill = BlockFill(num_draft_tokens, self.yields, self._round_bytes())
         self.rounds = None
         if graph_rounds:
             buckets = state.runner.graphs.context_buckets
             self.rounds = RoundGraphs(self._kept, self.graph_parts(), buckets, generator)
+
+    def _round_bytes(self) -> int:
+        """Weight bytes one round reads: every model of the drafter's stack γ times, the verifier once."""
+        drafters = {id(r.module): r.module for r in self.drafter.graph_parts().runners}
+        return weight_bytes(self.state.runner.module) + self.gamma * sum(map(weight_bytes, drafters.values()))
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         self.state.load_prompts(rows, prompts)
@@ -177,8 +183,7 @@ class RejectionLevel:
 
     def reset_stats(self) -> None:
         self.state.timer.reset()
-        self.cycles.zero_()
-        self.emitted.zero_()
+        self.yields.zero_()
         self.fill.reset()
         if self.rounds is not None:
             self.rounds.replays = 0
@@ -186,9 +191,9 @@ class RejectionLevel:
     def stats(self) -> dict[str, float]:
         """With graphed rounds `forward_seconds` / `forwards` time whole rounds (the drafter's steps included),
         and `graphed_rounds` counts the replays."""
-        cycles, emitted = read_counters(self.cycles, self.emitted)
+        (yields,) = read_counters(self.yields)
         stats = {
-            "mean_accepted_length": emitted / max(cycles, 1),
+            "mean_accepted_length": sum((i + 1) * n for i, n in enumerate(yields)) / max(sum(yields), 1),
             "forward_seconds": self.state.timer.seconds(),
             "forwards": self.state.timer.count,
         }
@@ -241,9 +246,8 @@ class RejectionLevel:
             token = torch.where(active, token, self.state.seq[rows, base - 1])
         self.state.truncate(rows, keep_len, token, max_drop=gamma + 1)
         self.drafter.accept(rows, keep_len, token, step if self.drafter.feature_layers else None)
-        ran = torch.ones_like(keep_len, dtype=torch.bool) if active is None else active
-        self.cycles += ran.sum()
-        self.emitted += ((accepted + 1) * ran).sum()
+        ran = torch.ones_like(keep_len) if active is None else active.to(torch.int64)
+        self.yields.index_add_(0, accepted, ran)
         return accepted, logp
 
     def _verify(self, draft: Proposal, p_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,7 @@ from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
 from hsmc.engine.sampler import gumbel_noise, sample
 from hsmc.engine.scheduler import Admission
 from hsmc.levels.base import Level, SequenceState
+from hsmc.models.shapes import weight_bytes
 from hsmc.smc.resampling import resampling_plan, select_particle
 from hsmc.smc.weights import effective_sample_size, log_normalizer, weight_increments
 from hsmc.stopping import StopCriteria, output_ends
@@ -174,6 +175,7 @@ class SMCLevel:
         self.cycles = self.group_cycles = self.resamples = self.deferred = 0
         if proposal.fill is not None:
             proposal.fill.block = params.block_size
+            proposal.fill.verify_rounds = weight_bytes(state.runner.module) / proposal.fill.round_bytes
         self.cycle_graphs = None
         if graph_cycles:
             buckets = state.runner.graphs.context_buckets
@@ -239,6 +241,8 @@ class SMCLevel:
         host reads this one (overlap). With stop strings every read is weighed before the next launch."""
         particles = particles or [self.params.particles] * len(prompts)
         self.slot_size = max(particles)
+        if self.proposal.fill is not None:
+            self.proposal.fill.rows = self.slot_size
         self.stop_ids = self._index(sorted(stop.token_ids))
         self.max_new_tokens, self.device_ends, self.awaiting = max_new_tokens, not stop.strings, []
         groups: list[_Group] = []  # admitted, result not handed out yet
