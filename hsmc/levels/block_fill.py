@@ -16,8 +16,8 @@ P(deferred) = 1 − (1 − p)^N, p = P(a row's R yields sum to < K), computed ex
 law the level measures — a device histogram of the tokens each row-round emitted, which rides along with
 the cycle's read (before the first read: yields uniform on 1..γ+1). The surplus rows carry from the last
 block is left out, which errs toward a round more. The earlier rule, ceil(K / mean) + 1 rounds, deferred
-38-43 % of the cycles of [EAGLE3 head, rejection 8B, smc 32B] with random weights (1.16 tokens per round,
-K = 16, N = 6; H200, 2026-11-25).
+28-43 % of the cycles of [EAGLE3 head, rejection 8B, smc 32B or 14B] with random weights (1.16 tokens per round,
+K = 16, N = 6); planned, 10 %, and 1.27-1.38x the tok/s (docs/engine.md).
 
 The number of rounds for the next block (`planned`, for the SMC level's K, which it sets as `block`) is a
 host int a captured SMC cycle is keyed by; the blocks and rounds counted are statistics it advances.
