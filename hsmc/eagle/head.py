@@ -39,7 +39,8 @@ class Eagle3Layer(nn.Module):
             ],
             dim=-1,
         )
-        stream = self.self_attn(x, ctx, None, residual=hidden)
+        # o_proj consumes its residual (may add into it in place); `hidden` stays the caller's
+        stream = self.self_attn(x, ctx, None, residual=hidden.clone())
         return self.mlp(stream, self.post_attention_layernorm, backend)
 
 

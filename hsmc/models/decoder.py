@@ -184,12 +184,12 @@ class DecoderLM(nn.Module):
             raise ValueError(f"capture indices must lie in [0, {n - 1}] for a {n}-layer model, got {capture}")
         stream = self.model.embed_tokens(batch.tokens)
         ctx = LayerContext(batch, cache, backend, backend.prepare(batch, self.rope, stream.dtype))
-        streams: dict[int, torch.Tensor] = {}
+        h = stream.shape[-1]
+        features = stream.new_empty(*stream.shape[:-1], len(capture) * h) if capture else None
         for i, layer in enumerate(self.model.layers):
-            if i in capture:
-                streams[i] = stream
+            for j in (j for j, c in enumerate(capture) if c == i):  # copied now: the layer consumes its stream
+                features[..., j * h : (j + 1) * h] = stream
             stream = layer(stream, ctx)
-        features = torch.cat([streams[i] for i in capture], dim=-1) if capture else None
         if last_only:
             stream = last_positions(stream, batch)
         return backend.norm_linear(stream, self.model.norm, self.lm_head), features

@@ -3,7 +3,8 @@ widened to the Linears and the memory-bound steps around them).
 
 A model hands its backend the residual stream and the modules, so the backend decides what to fuse: a
 Linear with the RMSNorm before it (`norm_linear`), with SiLU·mul before it (`silu_linear`) and with the
-residual add after it (`residual=`); the q/k norm + RoPE + KV write that turns a fused qkv projection
+residual add after it (`residual=`, which the backend may add into in place: a caller hands over a residual it
+no longer needs); the q/k norm + RoPE + KV write that turns a fused qkv projection
 into a query; paged attention. A `linear` module is an `nn.Linear` (or `FusedLinear`) or an FP8
 `Fp8Linear`; calling it is the reference matmul. `TorchBackend` is the reference: plain torch, any
 device, the CPU oracle, differentiable; the Triton backend (`hsmc.ops.triton_backend`) must match it.
@@ -62,7 +63,8 @@ class Backend(Protocol):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def linear(self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """[residual +] linear(x): a residual makes the next stream (after o_proj and down_proj)."""
+        """[residual +] linear(x): a residual makes the next stream (after o_proj and down_proj). The residual is
+        consumed: the result may be that tensor, added into in place (no copy of it before a GEMM)."""
         ...
 
     def norm_linear(self, stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
@@ -70,7 +72,8 @@ class Backend(Protocol):
         ...
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
-        """residual + linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension."""
+        """residual + linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension (the residual is
+        consumed, as in `linear`)."""
         ...
 
     def qkv_to_cache(

@@ -215,7 +215,12 @@ def plan_attention(
     rows) it splits only past 512 keys (at 16 rows the finer split cost 4 % of decode speed). Past 512 keys,
     key blocks of 128 with 4 warps while there is at most one program per SM (one row: 2 % faster in the
     forward at 2000 keys), else blocks of 64 with 2 warps (standalone `--sections attnvar`, 8-32 rows,
-    1100-4400 keys: 4-29 % faster than blocks of 128 with 4 warps at the same splits).
+    1100-4400 keys: 4-29 % faster than blocks of 128 with 4 warps at the same splits). "Few" is at most a
+    quarter as many (row, KV head) programs as SMs: the 8 particles of an SMC proposal step over 8 KV heads
+    (64 programs; graphed, planned for the 512-key context bucket, 64-200 keys used) ran their 8B step 0.16-0.23
+    ms (3-5 %) faster unsplit with key blocks of 128 than in 8 splits of 64 keys, the cycle 58.4-58.5 ms against
+    59.7-60.1 (2 splits: 59.1; unsplit with blocks of 64: 59.5); with the in-place residual the cycle is 1.23x its
+    bound instead of 1.27-1.29x (H200, 2026-11-26, `docs/measurements/2026-11-26-h200-unsplit-decode-attention.txt`).
 
     Rows of several query blocks (verify, prefill) take key blocks of 64 and split into at most one wave of
     programs (2 per SM) and at least 512 keys per split: over 9 query tokens per row (`--sections
@@ -230,7 +235,7 @@ def plan_attention(
         splits = min(_power_of_two_at_most(2 * sm_count // programs), _power_of_two_at_most(max_context // 512))
         return AttentionPlan(block_t, block_m, min(16, splits), block_n=64, num_warps=4)
     by_occupancy = triton.next_power_of_2(max(1, triton.cdiv(2 * sm_count, programs)))
-    few = rows * num_kv_heads <= sm_count // 2  # few programs: latency decides
+    few = rows * num_kv_heads <= sm_count // 4  # few programs: latency decides
     if few:
         by_context = triton.next_power_of_2(triton.cdiv(max_context, 64 if max_context <= 512 else 256))
     else:

@@ -134,14 +134,17 @@ def _weights(linear: nn.Module) -> dict:
 
 
 def _matmul(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
-    """[residual +] linear(x) as one GEMM where the GEMM can add the residual."""
+    """[residual +] linear(x) as one GEMM where the GEMM can add the residual: cuBLAS accumulates into the
+    (consumed) residual in place, as `torch.addmm` into a new tensor would first copy it there (a copy node
+    per Linear that breaks the chain of dependent launches: two per layer in a verify)."""
     if isinstance(linear, Fp8Linear):
         return fp8_linear(
             x, linear.weight, linear.weight_scale_inv, linear.bias, linear.block, residual, linear.dynamic_activations
         )
     if residual is None:
         return F.linear(x, linear.weight, linear.bias)
-    if linear.bias is not None:
+    if linear.bias is not None or not residual.is_contiguous():
         return residual + F.linear(x, linear.weight, linear.bias)
     n = linear.weight.shape[0]
-    return torch.addmm(residual.reshape(-1, n), x.reshape(-1, x.shape[-1]), linear.weight.t()).view(residual.shape)
+    residual.view(-1, n).addmm_(x.reshape(-1, x.shape[-1]), linear.weight.t())
+    return residual
