@@ -220,7 +220,7 @@ def plan_attention(
     (64 programs; graphed, planned for the 512-key context bucket, 64-200 keys used) ran their 8B step 0.16-0.23
     ms (3-5 %) faster unsplit with key blocks of 128 than in 8 splits of 64 keys, the cycle 58.4-58.5 ms against
     59.7-60.1 (2 splits: 59.1; unsplit with blocks of 64: 59.5); with the in-place residual the cycle is 1.23-1.27x
-    its bound instead of 1.27-1.32x (two H200s, 2026-11-26,
+    its bound instead of 1.27-1.32x (three H200s, 2026-11-26,
     `docs/measurements/2026-11-26-h200-unsplit-decode-attention.txt`).
 
     Rows of several query blocks (verify, prefill) take key blocks of 64 and split into at most one wave of
