@@ -52,16 +52,14 @@ def block_fill(proposal: list[LevelCost], smc: LevelCost) -> tuple[float, float]
     """Rounds per block and share of cycles deferred when a rejection level (on top of `proposal`) fills the
     smc level's blocks: as measured where given, else as `BlockFill` plans them at the accepted length."""
     rejection = proposal[-1]
-    if rejection.fill_rounds is not None and smc.deferral_rate is not None:
-        return rejection.fill_rounds, smc.deferral_rate
+    measured = (rejection.fill_rounds, smc.deferral_rate)
+    if None not in measured:
+        return measured
     if smc.cycle_includes_proposal:
         raise ValueError("a graphed cycle's time holds its rounds: plan a block fill from an eager cycle's times")
     law = geometric_yield_law(rejection.accepted_length, rejection.gamma)
-    rounds, deferred = plan_rounds(smc.block_size, law, smc.particles, smc.forward_ms / round_ms(proposal))
-    return (
-        rounds if rejection.fill_rounds is None else rejection.fill_rounds,
-        deferred if smc.deferral_rate is None else smc.deferral_rate,
-    )
+    planned = plan_rounds(smc.block_size, law, smc.particles, smc.forward_ms / round_ms(proposal))
+    return tuple(p if m is None else m for m, p in zip(measured, planned))
 
 
 def production_ms(levels: list[LevelCost], k: int, fill_rounds: float | None = None) -> float:
