@@ -86,6 +86,64 @@ def test_random_operation_sequences_keep_invariants(ops):
     assert alloc.num_free() == SLOTS, "pool did not return to empty"
 
 
+def _apply(tables: BlockTables, kind: str, args: list) -> None:
+    """One of `op`'s operations but an append."""
+    if kind == "fork":
+        pairs = dict((dst, src) for src, dst in args[0])
+        tables.copy_block_table(torch.tensor(list(pairs.values())), torch.tensor(list(pairs)))
+    elif kind == "rollback":
+        rows, n = args
+        counts = [min(n, int(tables.length[r])) for r in rows]
+        tables.rollback(torch.tensor(rows), torch.tensor(counts), 4)
+    else:
+        tables.release(torch.tensor(args[0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(op, max_size=25), st.sampled_from([16, 32, 1024]))
+def test_device_append_hands_out_the_references_slots(ops, chunk):
+    """The two-kernel append of CUDA (`hsmc.ops.kv_slots`, here through Triton's interpreter) leaves the same
+    refcounts, tables and lengths and returns the same slots as the torch ops, whatever holes earlier forks,
+    rollbacks and releases left; chunks of 16 and 32 slots make it walk several of the pool's chunks."""
+    pytest.importorskip("triton")
+    from hsmc.ops.kv_slots import append_slots
+
+    ref, dev = BlockTables(SlotAllocator(SLOTS), ROWS, WIDTH), BlockTables(SlotAllocator(SLOTS), ROWS, WIDTH)
+    for kind, *args in ops:
+        if kind != "append":
+            for tables in (ref, dev):
+                _apply(tables, kind, args)
+            continue
+        pairs, pad = args
+        rows, counts = torch.tensor([r for r, _ in pairs]), torch.tensor([c for _, c in pairs])
+        if bool((ref.length[rows] + counts > WIDTH).any()) or ref.allocator.num_free() < int(counts.sum()):
+            continue
+        want = ref.append(rows, counts, int(counts.max()) + pad)
+        got, ok = append_slots(dev.allocator.refcount, dev.table, dev.length, rows, counts, want.shape[1], WIDTH, chunk)
+        assert ok.tolist() == [1, 1]
+        assert torch.equal(got, want)
+        assert torch.equal(dev.allocator.refcount, ref.allocator.refcount)
+        assert torch.equal(dev.length, ref.length)
+        for r in range(ROWS):
+            n = int(ref.length[r])
+            assert torch.equal(dev.table[r, :n], ref.table[r, :n])
+    check_invariants(dev.allocator, [dev])
+
+
+def test_device_append_flags_what_the_reference_asserts():
+    pytest.importorskip("triton")
+    from hsmc.ops.kv_slots import append_slots
+
+    tables = BlockTables(SlotAllocator(8), 2, 6)
+    _, ok = append_slots(tables.allocator.refcount, tables.table, tables.length, torch.tensor([0, 1]),
+                         torch.tensor([4, 5]), 5, 6, 4)  # fmt: skip
+    assert ok.tolist() == [0, 1], "9 slots wanted from 8"
+    tables = BlockTables(SlotAllocator(8), 2, 6)
+    _, ok = append_slots(tables.allocator.refcount, tables.table, tables.length, torch.tensor([1]),
+                         torch.tensor([7]), 7, 6, 4)  # fmt: skip
+    assert ok.tolist() == [1, 0], "7 tokens in a table of 6"
+
+
 def test_fan_out_shares_slots_and_frees_on_last_owner():
     alloc = SlotAllocator(32)
     tables = BlockTables(alloc, 4, 16)

@@ -13,12 +13,16 @@ or drops) are per-row counts on the device, applied through masks and weighted r
 is 0; allocation takes the lowest-numbered free slots through a cumulative sum, so there is no
 free list to keep consistent. Slot id `num_slots` is the trash slot: padding writes and masked-out
 updates go there. Misuse (out of slots, table overflow, double free) is caught by
-`torch._assert_async`, which raises at once on the CPU and without a sync on the GPU.
+`torch._assert_async`, which raises at once on the CPU and without a sync on the GPU. On CUDA the
+append before every forward runs as two Triton kernels (`hsmc.ops.kv_slots`), these ops its reference.
 """
 
 from __future__ import annotations
 
 import torch
+
+OUT_OF_SLOTS = "KV pool out of slots: raise engine.kv_capacity_tokens"
+ROW_OVERFLOW = "row longer than its block table (engine.kv_capacity_tokens)"
 
 
 class SlotAllocator:
@@ -51,9 +55,7 @@ class SlotAllocator:
         wanted = offsets[:, None] + cols[None, :] + 1
         valid = cols[None, :] < counts[:, None]
         slots = torch.searchsorted(free_rank, wanted)
-        torch._assert_async(
-            (slots < self.num_slots).logical_or(~valid).all(), "KV pool out of slots: raise engine.kv_capacity_tokens"
-        )
+        torch._assert_async((slots < self.num_slots).logical_or(~valid).all(), OUT_OF_SLOTS)
         slots = torch.where(valid, slots.clamp_max(self.num_slots - 1), self.trash_slot)
         self.refcount.index_add_(0, slots.reshape(-1), valid.reshape(-1).to(torch.int32))
         return slots
@@ -114,11 +116,18 @@ class BlockTables:
 
     def append(self, rows: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
         """Allocate counts[i] <= width new slots at the end of row rows[i]; returns them [R, width]
-        (trash past counts[i])."""
+        (trash past counts[i]). On CUDA two kernels do it (`hsmc.ops.kv_slots`); these ops are their reference."""
+        if self.table.is_cuda:
+            from hsmc.ops.kv_slots import append_slots
+
+            slots, ok = append_slots(
+                self.allocator.refcount, self.table, self.length, rows, counts, width, self.max_row_tokens
+            )
+            torch._assert_async(ok[0], OUT_OF_SLOTS)
+            torch._assert_async(ok[1], ROW_OVERFLOW)
+            return slots
         start = self.length[rows]
-        torch._assert_async(
-            (start + counts <= self.max_row_tokens).all(), "row longer than its block table (engine.kv_capacity_tokens)"
-        )
+        torch._assert_async((start + counts <= self.max_row_tokens).all(), ROW_OVERFLOW)
         slots = self.allocator.alloc(counts, width)
         cols = start[:, None] + torch.arange(width, device=rows.device)
         cols = torch.where(cols < (start + counts)[:, None], cols, self.max_row_tokens)
