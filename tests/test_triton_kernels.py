@@ -360,3 +360,31 @@ def test_short_decode_attention_splits_only_while_programs_are_few():
     one, eight = (plan_attention(rows, 1, 512, 32, 8, 132) for rows in (1, 8))
     assert one.splits > 1 and (eight.splits, eight.block_n) == (1, 128)
     assert plan_attention(8, 1, 2048, 32, 8, 132).splits > 1
+
+
+@pytest.mark.parametrize("leave, width", [(0, 1), (1, 3), (0, 5), (1, 0)])
+def test_pending_tokens_and_token_append_match_the_reference(leave, width):
+    """The one-kernel pending window and token append of CUDA (`hsmc.ops.token_rows`) against `TokenRows`'s
+    torch ops: ragged rows, some with nothing pending, some past the capacity (clamped columns)."""
+    from hsmc.levels.base import TokenRows
+    from hsmc.ops.token_rows import append_tokens, pending_tokens
+
+    g = torch.Generator().manual_seed(width * 2 + leave)
+    rows_state = TokenRows(6, 12, torch.device("cpu"))
+    rows_state.seq.copy_(torch.randint(0, 1000, rows_state.seq.shape, generator=g))
+    rows_state.seq_len.copy_(torch.tensor([0, 3, 9, 12, 13, 5, 0]))
+    kv_len = torch.tensor([0, 1, 9, 4, 13, 2, 0])
+    rows = torch.tensor([5, 0, 3, 2, 4])
+    start, count, tokens = pending_tokens(rows_state.seq, rows_state.seq_len, kv_len, rows, leave, width)
+    want_start = kv_len[rows]
+    want_count = (rows_state.seq_len[rows] - leave - want_start).clamp_min(0)
+    assert torch.equal(start, want_start) and torch.equal(count, want_count)
+    assert torch.equal(tokens, rows_state.window(rows, want_start, want_count, width))
+
+    new = torch.randint(0, 1000, (len(rows), 3), generator=g)[:, :2]  # strided, as a draw's column may be
+    reference = TokenRows(6, 12, torch.device("cpu"))
+    reference.seq.copy_(rows_state.seq)
+    reference.seq_len.copy_(rows_state.seq_len)
+    reference.append(rows, new)
+    append_tokens(rows_state.seq, rows_state.seq_len, rows, new)
+    assert torch.equal(rows_state.seq, reference.seq) and torch.equal(rows_state.seq_len, reference.seq_len)

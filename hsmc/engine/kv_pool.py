@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from hsmc.ops.batch import padded_columns
+
 OUT_OF_SLOTS = "KV pool out of slots: raise engine.kv_capacity_tokens"
 ROW_OVERFLOW = "row longer than its block table (engine.kv_capacity_tokens)"
 
@@ -114,18 +116,22 @@ class BlockTables:
         torch._assert_async((self.length[rows] <= width).all(), "release/copy bound below a row's length")
         return self.table[rows, :width], owned
 
-    def append(self, rows: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-        """Allocate counts[i] <= width new slots at the end of row rows[i]; returns them [R, width]
-        (trash past counts[i]). On CUDA two kernels do it (`hsmc.ops.kv_slots`); these ops are their reference."""
+    def append(
+        self, rows: torch.Tensor, counts: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Allocate counts[i] <= width new slots at the end of row rows[i]; returns them [R, width] (trash past
+        counts[i]), each row's length before (start [R]) and the new tokens' columns [R, width] (padding repeats
+        a row's last: `padded_columns`). On CUDA two kernels do it all (`hsmc.ops.kv_slots`); these ops are
+        their reference."""
         if self.table.is_cuda:
             from hsmc.ops.kv_slots import append_slots
 
-            slots, ok = append_slots(
+            slots, start, columns, ok = append_slots(
                 self.allocator.refcount, self.table, self.length, rows, counts, width, self.max_row_tokens
             )
             torch._assert_async(ok[0], OUT_OF_SLOTS)
             torch._assert_async(ok[1], ROW_OVERFLOW)
-            return slots
+            return slots, start, columns
         start = self.length[rows]
         torch._assert_async((start + counts <= self.max_row_tokens).all(), ROW_OVERFLOW)
         slots = self.allocator.alloc(counts, width)
@@ -133,7 +139,7 @@ class BlockTables:
         cols = torch.where(cols < (start + counts)[:, None], cols, self.max_row_tokens)
         self.table[rows[:, None], cols] = slots
         self.length[rows] = start + counts
-        return slots
+        return slots, start, padded_columns(start, counts, width)
 
     def rollback(self, rows: torch.Tensor, counts: torch.Tensor, max_count: int) -> None:
         """Drop the last `counts[i]` tokens of `rows[i]` (0 <= counts <= max_count, a host-known bound)."""

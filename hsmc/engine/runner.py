@@ -18,7 +18,7 @@ from torch import nn
 from hsmc.engine.cuda_graphs import CUDAGraphs
 from hsmc.engine.kv_pool import BlockTables
 from hsmc.ops.backend import Backend
-from hsmc.ops.batch import ForwardBatch, padded_columns
+from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.kv_cache import KVCache
 
 
@@ -54,9 +54,7 @@ class ModelRunner:
     ) -> ForwardBatch:
         """A batch that appends tokens[i, :num_new[i]] to row rows[i]: slots are allocated at the end of each
         row's table, RoPE positions equal the columns, and padding writes to the trash slot."""
-        start = self.tables.length[rows]
-        slots = self.tables.append(rows, num_new, tokens.shape[1])
-        positions = padded_columns(start, num_new, tokens.shape[1])
+        slots, start, positions = self.tables.append(rows, num_new, tokens.shape[1])
         context = self.fixed_context or max(1, min(max_context, self.tables.max_row_tokens))
         return ForwardBatch(rows, self.tables.table, tokens, positions, slots, start, num_new, context)
 

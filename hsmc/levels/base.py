@@ -156,12 +156,17 @@ class TokenRows:
         self.len_bound = max(self.len_bound, tokens.shape[1])
 
     def append(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Append tokens [R, m] to the rows' sequences."""
-        cols = (self.seq_len[rows][:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp_max(
-            self.capacity
-        )
-        self.seq[rows[:, None], cols] = tokens
-        self.seq_len[rows] += tokens.shape[1]
+        """Append tokens [R, m] to the rows' sequences (one kernel on CUDA: `hsmc.ops.token_rows`)."""
+        if self.seq.is_cuda:
+            from hsmc.ops.token_rows import append_tokens
+
+            append_tokens(self.seq, self.seq_len, rows, tokens)
+        else:
+            cols = (self.seq_len[rows][:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp_max(
+                self.capacity
+            )
+            self.seq[rows[:, None], cols] = tokens
+            self.seq_len[rows] += tokens.shape[1]
         self.len_bound += tokens.shape[1]
 
     def set_token(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None:
@@ -252,26 +257,35 @@ class SequenceState(TokenRows):
         small however long the prompts are. Any other forward covers every row that has pending tokens, in
         one forward."""
         leave = 1 if leave_last else 0
-        end = self.seq_len[rows] - leave
-        start = self.kv_len[rows]
-        count = (end - start).clamp_min(0)
         if self.prompt_lengths:
             if len(self.prompt_lengths) != len(rows):
                 raise ValueError(f"a prefill of {len(rows)} rows after loading {len(self.prompt_lengths)} prompts")
+            start, count, _ = self.pending(rows, leave, 0)
             counts, self.prompt_lengths = [max(n - leave, 0) for n in self.prompt_lengths], []
             self.pending_bound = max(self.pending_bound, leave)
             return self._prefill_chunks(rows, start, count, counts, last_only)
         width, self.pending_bound = self.pending_bound - leave, leave
+        start, count, tokens = self.pending(rows, leave, max(width, 0))
         if width <= 0:
             return _empty_step(rows, count, start)
-        logits, features = self._run(rows, start, count, width, last_only)
+        logits, features = self._run(rows, tokens, count, last_only)
         return StepOutput(logits, count, start, features)
 
+    def pending(self, rows: torch.Tensor, leave: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's KV length, how many of its tokens past it wait for a forward (all but the last `leave`),
+        and those tokens padded to `width`: (start, count, tokens [R, width]). One kernel on CUDA."""
+        if self.seq.is_cuda:
+            from hsmc.ops.token_rows import pending_tokens
+
+            return pending_tokens(self.seq, self.seq_len, self.kv_len, rows, leave, width)
+        start = self.kv_len[rows]
+        count = (self.seq_len[rows] - leave - start).clamp_min(0)
+        return start, count, self.window(rows, start, count, width)
+
     def _run(
-        self, rows: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int, last_only: bool
+        self, rows: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, last_only: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over seq[start : start + count] of each row, padded to `width`: (logits, features)."""
-        tokens = self.window(rows, start, count, width)
+        """One forward over each row's first count[i] of tokens [R, W], appended to its KV: (logits, features)."""
         with self.timer():
             batch = self.runner.new_tokens(rows, tokens, count, self.len_bound)
             return self.runner.forward(batch, last_only)
@@ -292,12 +306,12 @@ class SequenceState(TokenRows):
             active = [i for i, n in enumerate(counts) if n > offset]
             w = min(max(1, self.prefill_chunk_tokens // len(active)), width - offset)
             if len(active) == len(rows) and w == width:  # the whole prefill in one forward
-                logits, features = self._run(rows, start, count, width, last_only)
+                logits, features = self._run(rows, self.window(rows, start, count, width), count, last_only)
                 return StepOutput(logits, count, start, features)
             index = upload(torch.tensor(active), rows.device)
-            part_logits, part_features = self._run(
-                rows[index], start[index] + offset, (count[index] - offset).clamp(0, w), w, last_only
-            )
+            part_count = (count[index] - offset).clamp(0, w)
+            part_tokens = self.window(rows[index], start[index] + offset, part_count, w)
+            part_logits, part_features = self._run(rows[index], part_tokens, part_count, last_only)
             if last_only:  # an active row's logits are overwritten until its last chunk
                 logits = _place(logits, len(rows), 1, index, 0, part_logits)
             else:

@@ -6,7 +6,8 @@ both bounds: about 36 kernels, launched before every forward. Inside a graphed S
 couple of microseconds on the GPU's serial chain, so together they cost 60-70 µs per forward — about a third of
 the work between an SMC cycle's forwards. Here one kernel counts each chunk's free slots in parallel, and one
 program walks only the chunks that hold the ranks it needs, hands the slots out in the reference's order (the
-lowest-numbered free slots, row by row), bumps their refcounts and writes the rows' tables, lengths and slots.
+lowest-numbered free slots, row by row), bumps their refcounts and writes the rows' tables, lengths and slots
+(and the new tokens' columns, which are their RoPE positions).
 What the reference asserts comes back as two flags for `torch._assert_async`.
 """
 
@@ -42,6 +43,8 @@ def _append_kernel(
     rows_ptr,
     counts_ptr,
     slots_ptr,
+    start_ptr,
+    columns_ptr,
     ok_ptr,
     num_slots,
     num_chunks,
@@ -84,6 +87,8 @@ def _append_kernel(
     fits = tl.min(tl.where(r_ok, start + counts <= max_row_tokens, True).to(tl.int32), 0)
     tl.store(ok_ptr, (available >= total).to(tl.int32))
     tl.store(ok_ptr + 1, fits)
+    tl.store(start_ptr + r, start, mask=r_ok)
+    last = tl.maximum(counts - 1, 0)
     got_below = tl.minimum(total, available)
     for w0 in range(0, width, BLOCK_W):
         j = w0 + tl.arange(0, BLOCK_W)
@@ -92,6 +97,8 @@ def _append_kernel(
         got = in_out & (j[None, :] < counts[:, None]) & (rank < got_below)
         slot = tl.load(found_ptr + rank, mask=got, other=num_slots)
         tl.store(slots_ptr + r[:, None] * width + j[None, :], tl.where(got, slot, num_slots), mask=in_out)
+        padded = start[:, None] + tl.minimum(j[None, :], last[:, None])
+        tl.store(columns_ptr + r[:, None] * width + j[None, :], padded, mask=in_out)
         col = start[:, None] + j[None, :]
         tl.store(table_ptr + rows[:, None] * stride_table + col, slot, mask=got & (col < max_row_tokens))
     tl.store(length_ptr + rows, start + counts, mask=r_ok)
@@ -106,24 +113,28 @@ def append_slots(
     width: int,
     max_row_tokens: int,
     chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`BlockTables.append` on the device: counts[i] <= width new slots (refcount 0 -> 1, the lowest-numbered free
-    ones) at the end of row rows[i]'s table; returns the slots [R, width] (the trash slot past counts[i]) and
-    int32 flags [enough free slots, every row fits its table]. `chunk` overrides the counted chunk's size."""
+    ones) at the end of row rows[i]'s table; returns the slots [R, width] (the trash slot past counts[i]), each
+    row's length before (start [R]), the new tokens' columns [R, width] (`padded_columns`), and int32 flags
+    [enough free slots, every row fits its table]. `chunk` overrides the counted chunk's size."""
     num_slots = refcount.shape[0] - 1
     chunk = chunk or chunk_size(num_slots)
     num_chunks = triton.cdiv(num_slots, chunk)
     r = rows.shape[0]
     free = torch.empty(num_chunks, dtype=torch.int64, device=refcount.device)
     found = torch.empty(max(r * width, 1), dtype=torch.int64, device=refcount.device)
-    slots = torch.empty(r, width, dtype=torch.int64, device=refcount.device)
+    slots, columns = torch.empty(2, r, max(width, 1), dtype=torch.int64, device=refcount.device)[:, :, :width]
+    start = torch.empty(r, dtype=torch.int64, device=refcount.device)  # (width 0 still gets real pointers)
     ok = torch.empty(2, dtype=torch.int32, device=refcount.device)
+    if r == 0:
+        return slots, start, columns, ok.fill_(1)
     _count_free_kernel[(num_chunks,)](refcount, free, num_slots, CHUNK=chunk)
     block_r = triton.next_power_of_2(max(r, 1))
     block_w = min(triton.next_power_of_2(max(width, 1)), max(1, 4096 // block_r))
     _append_kernel[(1,)](
-        refcount, free, found, table, length, rows, counts, slots, ok, num_slots, num_chunks, r, width,
+        refcount, free, found, table, length, rows, counts, slots, start, columns, ok, num_slots, num_chunks, r, width,
         table.stride(0), max_row_tokens, CHUNK=chunk, BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
         BLOCK_R=block_r, BLOCK_W=block_w, num_warps=4,
     )  # fmt: skip
-    return slots, ok
+    return slots, start, columns, ok
