@@ -61,6 +61,8 @@ verifyattn verify attention (9 tokens per row; 268-4400 keys): the planner's pla
          warps setting, 16 calls replayed in one graph each.
 profilesmc the 8B proposal step (8 rows) and the 32B verify (8 x 9) of an SMC cycle by kernel (torch.profiler),
          with and without PDL.
+cyclekernels one request through configs/bench/smc_8b_32b.yaml (N=8 K=8, N=6 K=16): the kernels of a graphed SMC cycle
+         by kind (torch.profiler), how many run outside the forwards (bookkeeping, SMC math), the GPU's idle time.
 prefill  chunked prefill of 8 prompts of 512..4096 tokens on the 8B shape at several chunk budgets (time, peak
          activations, last logits against one forward); tiny stacks with chunks that replay decode graphs, CUDA
          greedy == CPU.
@@ -1018,6 +1020,62 @@ def check_profile_smc() -> None:
             results[f"profile_smc_{label}_pdl_{use_pdl}"] = {"wall_ms": wall_ms, "kernels": kernels}
             gc.collect()
             torch.cuda.empty_cache()
+
+
+KERNEL_KINDS = (("_few_row", "few-row Linears"), ("nvjet", "cuBLAS GEMMs"), ("splitKreduce", "cuBLAS GEMMs"),
+                ("_attention", "attention"), ("_combine", "attention"), ("_rms_norm", "RMSNorms"),
+                ("_qkv_rope", "q/k norm + RoPE + KV"), ("_silu", "SiLU·mul"), ("_sum_splits", "split-K sums"),
+                ("_decode_linear", "one-row Linears"), ("_lse_", "vocab reductions"),
+                ("_gumbel_", "vocab reductions"))  # fmt: skip
+
+
+def check_cycle_kernels() -> None:
+    """Where a graphed SMC cycle's GPU time goes: one 128-token request through configs/bench/smc_8b_32b.yaml
+    (N=8 K=8 and N=6 K=16) profiled after two warm-ups, kernels by kind per cycle (under PDL a kernel's time
+    includes its wait), the kernels outside the forwards (the levels' bookkeeping and the SMC math), and the
+    GPU's idle time. Kernels inside graphs are traced one by one (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    say("== kernels per graphed SMC cycle, one request (torch.profiler) ==")
+    path = ROOT / "configs" / "bench" / "smc_8b_32b.yaml"
+    out = {}
+    for overrides in ([], ["levels.1.particles=6", "levels.1.block_size=16"]):
+        label = " ".join(["smc_8b_32b", *overrides])
+        with real_shape_case("cyclekernels", label, out):
+            config = load_config(path, [f"levels.1.model={smc_target()}", *overrides])
+            decoder = HierarchicalDecoder(config_for_bench(config, [1], 64, 128))
+            ids = [list(range(100, 164))]
+            for _ in range(2):
+                decoder.generate(ids, max_new_tokens=128, ignore_eos=True)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                decoder.generate(ids, max_new_tokens=128, ignore_eos=True)
+                torch.cuda.synchronize()
+            cycles = max(decoder.stack.top.cycle_graphs.replays, 1)
+            kernels = sorted(
+                (e.time_range.start, e.time_range.end, e.name)
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
+            )
+            by_kind: dict[str, list[float]] = {}
+            for start, end, name in kernels:
+                kind = next((k for key, k in KERNEL_KINDS if key in name), "outside the forwards")
+                by_kind.setdefault(kind, [0.0, 0])
+                by_kind[kind][0] += (end - start) / cycles
+                by_kind[kind][1] += 1 / cycles
+            busy, reach = 0.0, kernels[0][0]
+            for start, end, _ in kernels:
+                busy += max(0.0, end - max(start, reach))
+                reach = max(reach, end)
+            window = reach - kernels[0][0]
+            idle = window - busy
+            say(f"{label}: {cycles} graphed cycles; GPU idle {idle / 1e3:.2f} ms of {window / 1e3:.1f} ms (the "
+                f"prefill's launches included); per cycle, kernel time summed:")  # fmt: skip
+            for kind, (us, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+                say(f"  {kind:<24}{us / 1e3:8.3f} ms {n:8.1f} kernels")
+            out[label] = {"cycles": cycles, "idle_us": idle, "by_kind": by_kind}
+            del decoder
+    results["cyclekernels"] = out
 
 
 # -- FP8 weights, the streaming loader and auto-sized KV (issue 12) ---------------------------------------
@@ -1994,6 +2052,7 @@ def main() -> None:
         "smollm2": lambda: check_smollm2(args.gguf) if args.gguf else say("smollm2: no --gguf given, skipped"),
         "profile": check_profile,
         "profilesmc": check_profile_smc,
+        "cyclekernels": check_cycle_kernels,
         "capture": check_capture_time,
         "sync8b": check_sync_8b,
         "attnvar": check_attention_variants,
