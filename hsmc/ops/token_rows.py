@@ -4,8 +4,8 @@ on CUDA.
 Before a forward `SequenceState` gathers each row's unprocessed tokens (its length and KV length, their
 difference, a window of the sequence, the padding) and after a draw `TokenRows.append` writes the new tokens
 behind each row: about twenty small torch kernels per forward, each a couple of microseconds on the serial chain
-of a graphed cycle even though there is almost nothing to compute. A rejection round of the hierarchical stack
-runs a dozen forwards. Here one program does each job for every row; the torch ops in `hsmc.levels.base` stay
+of a graphed cycle even though there is almost nothing to compute, and a rejection round runs a forward per draft
+step plus its verify. Here one program does each job for every row; the torch ops in `hsmc.levels.base` stay
 the CPU path and the reference.
 """
 
