@@ -59,7 +59,7 @@ def _append_kernel(
 ):
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
-    counts = tl.load(counts_ptr + r, mask=r_ok, other=0)
+    counts = tl.minimum(tl.load(counts_ptr + r, mask=r_ok, other=0), width)  # <= width by contract; `found` is R·width
     total = tl.sum(counts, 0)
     offsets = tl.cumsum(counts, 0) - counts  # rank (0-based) of each row's first slot
 
