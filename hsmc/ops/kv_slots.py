@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hsmc.ops.token_rows import row_tiles
+
 MAX_CHUNKS = 1024  # chunks of the pool the appending program looks at in one vector
 
 
@@ -88,7 +90,7 @@ def _append_kernel(
     tl.store(ok_ptr, (available >= total).to(tl.int32))
     tl.store(ok_ptr + 1, fits)
     tl.store(start_ptr + r, start, mask=r_ok)
-    last = tl.maximum(counts - 1, 0)
+    last_col = tl.maximum(counts - 1, 0)  # padding repeats a row's last new column
     got_below = tl.minimum(total, available)
     for w0 in range(0, width, BLOCK_W):
         j = w0 + tl.arange(0, BLOCK_W)
@@ -97,7 +99,7 @@ def _append_kernel(
         got = in_out & (j[None, :] < counts[:, None]) & (rank < got_below)
         slot = tl.load(found_ptr + rank, mask=got, other=num_slots)
         tl.store(slots_ptr + r[:, None] * width + j[None, :], tl.where(got, slot, num_slots), mask=in_out)
-        padded = start[:, None] + tl.minimum(j[None, :], last[:, None])
+        padded = start[:, None] + tl.minimum(j[None, :], last_col[:, None])
         tl.store(columns_ptr + r[:, None] * width + j[None, :], padded, mask=in_out)
         col = start[:, None] + j[None, :]
         tl.store(table_ptr + rows[:, None] * stride_table + col, slot, mask=got & (col < max_row_tokens))
@@ -130,8 +132,7 @@ def append_slots(
     if r == 0:
         return slots, start, columns, ok.fill_(1)
     _count_free_kernel[(num_chunks,)](refcount, free, num_slots, CHUNK=chunk)
-    block_r = triton.next_power_of_2(max(r, 1))
-    block_w = min(triton.next_power_of_2(max(width, 1)), max(1, 4096 // block_r))
+    block_r, block_w = row_tiles(r, width)
     _append_kernel[(1,)](
         refcount, free, found, table, length, rows, counts, slots, start, columns, ok, num_slots, num_chunks, r, width,
         table.stride(0), max_row_tokens, CHUNK=chunk, BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 
-def _blocks(rows: int, width: int) -> tuple[int, int]:
+def row_tiles(rows: int, width: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_W) of a one-program kernel over [rows, width]: every row in one tile, at most 4096 entries."""
     block_r = triton.next_power_of_2(max(rows, 1))
     return block_r, min(triton.next_power_of_2(max(width, 1)), max(1, 4096 // block_r))
 
@@ -92,7 +93,7 @@ def pending_tokens(
     tokens = torch.empty(r, max(width, 1), dtype=seq.dtype, device=seq.device)[:, :width]  # never a null pointer
     if r == 0:
         return start, count, tokens
-    block_r, block_w = _blocks(r, width)
+    block_r, block_w = row_tiles(r, width)
     _pending_kernel[(1,)](
         seq, seq_len, kv_len, rows, start, count, tokens, r, width, leave, seq.shape[1] - 1, seq.stride(0),
         BLOCK_R=block_r, BLOCK_W=block_w,
@@ -105,7 +106,7 @@ def append_tokens(seq: torch.Tensor, seq_len: torch.Tensor, rows: torch.Tensor, 
     r, m = tokens.shape
     if r == 0 or m == 0:
         return
-    block_r, block_w = _blocks(r, m)
+    block_r, block_w = row_tiles(r, m)
     _append_kernel[(1,)](
         seq, seq_len, rows, tokens, r, m, seq.shape[1] - 1, seq.stride(0), tokens.stride(0), tokens.stride(1),
         BLOCK_R=block_r, BLOCK_W=block_w,
