@@ -54,6 +54,9 @@ fewlinears the qwen3-8b and qwen3-32b decoder-layer Linears (bf16) at 1, 2, 4, 8
          per Linear (and the 8B LM head) at 8 rows, the whole chain on the current path (one row: the one-row
          kernels; more: the few-row kernels) against norm / SiLU kernels + cuBLAS and against the sweep's best
          settings, and the whole 8B forward at 1..16 rows with the few-row kernels and with cuBLAS.
+fewplans the measured few-row plans for this GPU (`few_row_linear.MEASURED_PLANS`): the qwen3-8b Linears and LM head
+         swept at 8 rows (median of 3 interleaved rounds), the table entry printed, then the Linears chained and
+         the whole 8B step at 2, 8, 16 rows with the default plans against the measured ones.
 decodeattn the whole qwen3-8b one-row forward (graph replay) with the attention plan forced to each split / key
          block / warps setting, at 260 and 2000 keys.
 attnvar  decode attention (one query token per row; G = 4 and 8, 8-32 rows, 300-4400 keys) and
@@ -1718,10 +1721,12 @@ def few_row_rounding(layer: dict, dims: dict, out: dict) -> None:
                 out[f"rounding M={m} {name} {tag}"] = {"max_ulp": ulps, "equal": same}
 
 
-def sweep_few_linears(layers: list[dict], dims: dict, shape: str, bandwidth: float, out: dict) -> dict:
+def sweep_few_linears(
+    layers: list[dict], dims: dict, shape: str, bandwidth: float, out: dict, settings=None, rounds: int = 1
+) -> dict:
     """Per Linear kind (and the LM head, four times, for the 8B), all layers' instances chained (PDL) at 8 rows,
     over the few-row kernel's settings, the planner's and cuBLAS's (after the norm / SiLU kernel, as the path
-    before ran it); returns the best plan per kind."""
+    before ran it), each the median of `rounds` interleaved rounds; returns the best plan per kind."""
     import torch.nn.functional as F
 
     from hsmc.ops import fused as fk
@@ -1735,9 +1740,10 @@ def sweep_few_linears(layers: list[dict], dims: dict, shape: str, bandwidth: flo
         lm_head = torch.randn(shape_config(shape).vocab_size, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
         weights["lm_head"] = [lm_head / 64] * 4
     # (weight rows per program, K tile, K splits, warps, stages)
-    settings = [(32, 256, 1, 2, 3), (32, 256, 1, 2, 5), (32, 256, 1, 1, 4), (16, 256, 1, 1, 4), (16, 256, 1, 2, 4),
-                (32, 512, 1, 2, 3), (32, 128, 1, 2, 6), (64, 128, 1, 2, 4), (64, 256, 1, 4, 4), (32, 256, 1, 4, 4),
-                (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 3, 4, 4), (32, 256, 2, 2, 4)]  # fmt: skip
+    settings = settings or [
+        (32, 256, 1, 2, 3), (32, 256, 1, 2, 5), (32, 256, 1, 1, 4), (16, 256, 1, 1, 4), (16, 256, 1, 2, 4),
+        (32, 512, 1, 2, 3), (32, 128, 1, 2, 6), (64, 128, 1, 2, 4), (64, 256, 1, 4, 4), (32, 256, 1, 4, 4),
+        (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 3, 4, 4), (32, 256, 2, 2, 4)]  # fmt: skip
     m = 8
     norm = layers[0]["norm1"]
     best = {}
@@ -1754,21 +1760,26 @@ def sweep_few_linears(layers: list[dict], dims: dict, shape: str, bandwidth: flo
                 else:
                     torch.addmm(res, fk.silu_mul(x) if how.get("silu") else x, w.t())
 
-        rows = [("cublas", graph_ms(cublas))]
         planned = plan_few_row_linear(n, k, DEVICE)
-        for setting in [planned] + [FewRowPlan(*s) for s in settings]:
+        timings: dict = {"cublas": [graph_ms(cublas)]}
+        for _ in range(rounds):  # interleaved, so a clock or thermal drift hits every setting alike
+            for setting in [planned] + [FewRowPlan(*s) for s in settings]:
 
-            def chain(plan=setting):
-                for w in weights[kind]:
-                    few_row_linear(x, w, plan=plan, norm=(norm, 1e-6) if how.get("norm") else None,
-                                   silu_mul=bool(how.get("silu")),
-                                   residual=res if how.get("residual") else None)  # fmt: skip
+                def chain(plan=setting):
+                    for w in weights[kind]:
+                        few_row_linear(x, w, plan=plan, norm=(norm, 1e-6) if how.get("norm") else None,
+                                       silu_mul=bool(how.get("silu")),
+                                       residual=res if how.get("residual") else None)  # fmt: skip
 
-            try:  # a setting that does not compile (shared memory, layouts) is a sweep result, not a failure
-                rows.append((setting, graph_ms(chain)))
-            except Exception as e:
-                say(f"  sweep {shape} {kind} {setting}: {type(e).__name__}: {str(e)[:200]}")
-        rows = [(setting, ms, nbytes / ms / 1e9) for setting, ms in rows]
+                if timings.get(setting, [0.0])[-1] is None:
+                    continue
+                try:  # a setting that does not compile (shared memory, layouts) is a sweep result, not a failure
+                    timings.setdefault(setting, []).append(graph_ms(chain))
+                except Exception as e:
+                    timings[setting] = [None]
+                    say(f"  sweep {shape} {kind} {setting}: {type(e).__name__}: {str(e)[:200]}")
+        medians = {setting: sorted(ms)[len(ms) // 2] for setting, ms in timings.items() if ms[-1] is not None}
+        rows = [(setting, ms, nbytes / ms / 1e9) for setting, ms in medians.items()]
         best[kind] = min(rows[1:], key=lambda r: r[1])
         label = lambda p: f"{p.block_n}/{p.block_k}/{p.split_k}/{p.num_warps}/{p.num_stages}"  # noqa: E731
         say(f"  sweep {shape} M={m} {kind} [{n}x{k}] x{len(weights[kind])}: cublas {rows[0][1]:.3f} ms = "
@@ -1784,6 +1795,26 @@ def few_row_forwards_8b(out: dict) -> None:
     """The whole Qwen3-8B forward (graph replay, 260 keys per row) at 1..16 rows, the dense Linears through the
     few-row kernels (the backend's route) and through cuBLAS (the route patched off)."""
     import hsmc.ops.triton_backend as triton_backend
+
+    route = triton_backend._few_rows
+
+    def use(name: str) -> None:
+        triton_backend._few_rows = route if name == "few" else (lambda x, linear: False)
+
+    try:
+        times = forwards_8b((1, 2, 4, 8, 16), ("cublas", "few"), use, rounds=1)
+    finally:
+        triton_backend._few_rows = route
+    for m, t in times.items():
+        say(f"  8B forward M={m} (graph, 260 keys): weight read {t['floor_ms']:.3f} ms; cublas "
+            f"{t['cublas']:.3f} ms, few {t['few']:.3f} ms; few/cublas {t['few'] / t['cublas']:.3f}")  # fmt: skip
+        out[f"8B forward M={m}"] = t
+
+
+def forwards_8b(row_counts: tuple[int, ...], variants: tuple[str, ...], use, rounds: int) -> dict[int, dict]:
+    """ms of one whole Qwen3-8B step (random bf16, graph replay, 260 keys per row) per row count and variant;
+    `use(variant)` sets the route before the graphs are captured again; variants interleaved over `rounds`,
+    the median kept."""
     from hsmc.engine.cuda_graphs import CUDAGraphs
 
     cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
@@ -1792,18 +1823,18 @@ def few_row_forwards_8b(out: dict) -> None:
     model = random_model(cfg, torch.bfloat16, "cuda")
     runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
     floor = weight_bytes(model) / copy_bandwidth(DEVICE) * 1e3
-    route = triton_backend._few_rows
-    try:
-        for m in (1, 2, 4, 8, 16):
-            rows = torch.arange(m, device="cuda")
-            one = torch.ones(m, dtype=torch.int64, device="cuda")
-            with torch.inference_mode():
-                tables.release(rows, width)
-                prompt = torch.randint(0, 1000, (m, context), device="cuda")
-                runner.forward(runner.new_tokens(rows, prompt, one * context, context), True)
-            times = {}
-            for name in ("cublas", "few"):
-                triton_backend._few_rows = route if name == "few" else (lambda x, linear: False)
+    times = {}
+    for m in row_counts:
+        rows = torch.arange(m, device="cuda")
+        one = torch.ones(m, dtype=torch.int64, device="cuda")
+        with torch.inference_mode():
+            tables.release(rows, width)
+            prompt = torch.randint(0, 1000, (m, context), device="cuda")
+            runner.forward(runner.new_tokens(rows, prompt, one * context, context), True)
+        samples: dict[str, list[float]] = {}
+        for _ in range(rounds):
+            for name in variants:
+                use(name)
                 runner.graphs = CUDAGraphs(runner)
                 tokens = torch.randint(0, 1000, (m, 1), device="cuda")
                 back = torch.full_like(rows, context)
@@ -1811,15 +1842,62 @@ def few_row_forwards_8b(out: dict) -> None:
                     step = lambda: runner.forward(runner.new_tokens(rows, tokens, one, context + 1), True)  # noqa: E731
                     step()
                     tables.truncate(rows, back, 1)
-                    times[name] = (
-                        timed(lambda: [(step(), tables.truncate(rows, back, 1)) for _ in range(50)]) / 50 * 1e3
-                    )
-            ratio = times["few"] / times["cublas"]
-            say(f"  8B forward M={m} (graph, {context} keys): weight read {floor:.3f} ms; cublas "
-                f"{times['cublas']:.3f} ms, few {times['few']:.3f} ms; few/cublas {ratio:.3f}")  # fmt: skip
-            out[f"8B forward M={m}"] = {"floor_ms": floor, **times}
+                    ms = timed(lambda: [(step(), tables.truncate(rows, back, 1)) for _ in range(50)]) / 50 * 1e3
+                samples.setdefault(name, []).append(ms)
+        times[m] = {"floor_ms": floor} | {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+    return times
+
+
+# (weight rows per program, K tile, K splits, warps, stages) tried by `fewplans` besides the default plan
+PLAN_CANDIDATES = [
+    (32, 256, 1, 2, 3), (32, 256, 1, 2, 5), (32, 128, 1, 2, 6), (32, 128, 1, 2, 8), (64, 128, 1, 2, 4),
+    (64, 128, 1, 2, 5), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (64, 128, 3, 4, 4), (32, 256, 2, 2, 4),
+    (32, 512, 1, 2, 3), (128, 64, 1, 4, 4), (64, 64, 1, 2, 8), (16, 256, 1, 1, 4)]  # fmt: skip
+
+
+def check_few_plans() -> None:
+    """The measured plans of `few_row_linear.MEASURED_PLANS` for this GPU: each Qwen3-8B Linear kind and the LM head
+    swept at 8 rows (median of 3 interleaved rounds), the winners printed as the table's entry; then the 8B's
+    Linears chained and the whole 8B step at 2, 8 and 16 rows with the default plans against the winners."""
+    from hsmc.ops import few_row_linear as frl
+
+    bandwidth = copy_bandwidth(DEVICE)
+    name = frl.gpu_name(DEVICE)
+    say(f"fewplans: {name}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    out = results.setdefault("fewplans", {"bandwidth": bandwidth})
+    kept = frl.MEASURED_PLANS.pop(name, None)
+    try:
+        layers, dims = layer_linears_of("qwen3-8b", False)
+        best = sweep_few_linears(layers, dims, "qwen3-8b", bandwidth, out, PLAN_CANDIDATES, rounds=3)
+        shapes = dict(dims, lm_head=(shape_config("qwen3-8b").vocab_size, dims["o"][0]))
+        table = {shapes[kind]: plan for kind, plan in best.items()}
+        say(f"  measured plans: {name!r}: {{" + ", ".join(f"{nk}: {p}" for nk, p in table.items()) + "}")
+        out["table"] = {str(nk): str(p) for nk, p in table.items()}
+        for m in (2, 8, 16):
+            x = torch.randn(m, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
+            samples: dict[str, list[float]] = {"default": [], "measured": []}
+            for _ in range(5):
+                samples["default"].append(graph_ms(lambda: few_row_chain(layers, dims, x, "few")))
+                samples["measured"].append(graph_ms(lambda: few_row_chain(layers, dims, x, "few", best)))
+            t = {k: sorted(v)[2] for k, v in samples.items()}
+            say(f"  8B Linears chained M={m}: default {t['default']:.3f} ms, measured {t['measured']:.3f} ms "
+                f"({t['measured'] / t['default']:.3f}x)")  # fmt: skip
+            out[f"chain M={m}"] = t
+        layers.clear()  # free the chains before the whole model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+        def use(variant: str) -> None:
+            frl.MEASURED_PLANS[name] = table if variant == "measured" else {}
+
+        for m, t in forwards_8b((2, 8, 16), ("default", "measured"), use, rounds=3).items():
+            say(f"  8B step M={m} (graph, 260 keys): weight read {t['floor_ms']:.3f} ms; default {t['default']:.3f} "
+                f"ms, measured {t['measured']:.3f} ms ({t['measured'] / t['default']:.3f}x)")  # fmt: skip
+            out[f"8B step M={m}"] = t
     finally:
-        triton_backend._few_rows = route
+        frl.MEASURED_PLANS.pop(name, None)
+        if kept is not None:
+            frl.MEASURED_PLANS[name] = kept
 
 
 def check_fp8_linears() -> None:
@@ -1847,7 +1925,7 @@ def check_fp8_linears() -> None:
         layers, dims = layer_linears_of(shape, True)
         for m in rows:
             time_fp8_linears(layers, dims, shape, m, bandwidth, out)
-        del layers
+        layers.clear()  # free the chains before the whole model
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -2070,6 +2148,7 @@ def main() -> None:
         "fp8rss": check_fp8_rss,
         "linears": check_linears,
         "fewlinears": check_few_linears,
+        "fewplans": check_few_plans,
         "decodeattn": check_decode_attention,
         "rounds": check_rounds,
         "cycles": check_cycles,

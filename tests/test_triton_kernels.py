@@ -24,7 +24,7 @@ from hsmc.ops import fused  # noqa: E402
 from hsmc.ops.backend import HeadLayout, Rope, TorchBackend, rms_norm_reference  # noqa: E402
 from hsmc.ops.batch import ForwardBatch, padded_columns  # noqa: E402
 from hsmc.ops.decode_linear import DecodeLinearPlan, decode_linear  # noqa: E402
-from hsmc.ops.few_row_linear import FewRowPlan, few_row_linear  # noqa: E402
+from hsmc.ops.few_row_linear import MEASURED_PLANS, FewRowPlan, few_row_linear  # noqa: E402
 from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
 from hsmc.ops.kv_cache import KVCache  # noqa: E402
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
@@ -213,6 +213,31 @@ def test_few_row_linear_matches_reference(dtype, rows, prologue, epilogue, plan)
     assert out.shape == ref.shape and out.dtype == dtype
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel < _linear_tolerance(dtype)
+
+
+@pytest.mark.parametrize(
+    "gpu, shape, plan",
+    [(gpu, shape, plan) for gpu, plans in MEASURED_PLANS.items() for shape, plan in plans.items()],
+    ids=lambda v: str(v).replace(" ", "-") if isinstance(v, str) else None,
+)
+def test_measured_few_row_plans_are_planned_and_exact(monkeypatch, gpu, shape, plan):
+    """A measured plan is what the planner gives for its GPU and shape (another shape gets the default), and its
+    tiles give the reference's result (N and K ragged against them, the residual epilogue)."""
+    import hsmc.ops.few_row_linear as frl
+
+    monkeypatch.setattr(frl, "gpu_name", lambda device: gpu)
+    cpu = torch.device("cpu")
+    assert frl.plan_few_row_linear(*shape, cpu) == plan
+    default = FewRowPlan(32, 256, frl.splits_to_fill(shape[0] // 32 + 1, shape[1] // 256, cpu))
+    assert frl.plan_few_row_linear(shape[0] + 8, shape[1], cpu) == default
+    torch.manual_seed(0)
+    n, k = 2 * plan.block_n + 8, plan.split_k * plan.num_stages * plan.block_k + 40
+    x = torch.randn(8, k, device=DEVICE)
+    w = torch.randn(n, k, device=DEVICE) / k**0.5
+    residual = torch.randn(8, n, device=DEVICE)
+    out = few_row_linear(x, w, residual=residual, plan=plan)
+    ref = decode_linear_reference(x, w, None, None, False, residual)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < _linear_tolerance(torch.float32)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
