@@ -1819,7 +1819,7 @@ def forwards_8b(row_counts: tuple[int, ...], variants: tuple[str, ...], use, rou
 
     cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
     context, width = 260, 300
-    tables = BlockTables(SlotAllocator(16 * width, "cuda"), 16, width)
+    tables = BlockTables(SlotAllocator(max(row_counts) * width, "cuda"), max(row_counts), width)
     model = random_model(cfg, torch.bfloat16, "cuda")
     runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
     floor = weight_bytes(model) / copy_bandwidth(DEVICE) * 1e3
@@ -1859,6 +1859,8 @@ def check_few_plans() -> None:
     """The measured plans of `few_row_linear.MEASURED_PLANS` for this GPU: each Qwen3-8B Linear kind and the LM head
     swept at 8 rows (median of 3 interleaved rounds), the winners printed as the table's entry; then the 8B's
     Linears chained and the whole 8B step at 2, 8 and 16 rows with the default plans against the winners."""
+    from dataclasses import astuple
+
     from hsmc.ops import few_row_linear as frl
 
     bandwidth = copy_bandwidth(DEVICE)
@@ -1872,7 +1874,7 @@ def check_few_plans() -> None:
         shapes = dict(dims, lm_head=(shape_config("qwen3-8b").vocab_size, dims["o"][0]))
         table = {shapes[kind]: plan for kind, plan in best.items()}
         say(f"  measured plans: {name!r}: {{" + ", ".join(f"{nk}: {p}" for nk, p in table.items()) + "}")
-        out["table"] = {str(nk): str(p) for nk, p in table.items()}
+        out["table"] = [{"kind": kind, "shape": shapes[kind], "plan": astuple(plan)} for kind, plan in best.items()]
         for m in (2, 8, 16):
             x = torch.randn(m, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
             samples: dict[str, list[float]] = {"default": [], "measured": []}
