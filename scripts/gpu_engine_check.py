@@ -55,8 +55,8 @@ fewlinears the qwen3-8b and qwen3-32b decoder-layer Linears (bf16) at 1, 2, 4, 8
          kernels; more: the few-row kernels) against norm / SiLU kernels + cuBLAS and against the sweep's best
          settings, and the whole 8B forward at 1..16 rows with the few-row kernels and with cuBLAS.
 fewplans the measured few-row plans for this GPU (`few_row_linear.MEASURED_PLANS`): the qwen3-8b Linears and LM head
-         swept at 8 rows (median of 3 interleaved rounds), the table entry printed, then the Linears chained and
-         the whole 8B step at 2, 8, 16 rows with the default plans against the measured ones.
+         swept at 8 and 32 rows (median of 3 interleaved rounds), the table entries printed, then the Linears chained
+         and the whole 8B step at 2..32 rows, the default route (cuBLAS past 16 rows) against the measured plans.
 decodeattn the whole qwen3-8b one-row forward (graph replay) with the attention plan forced to each split / key
          block / warps setting, at 260 and 2000 keys.
 attnvar  decode attention (one query token per row; G = 4 and 8, 8-32 rows, 300-4400 keys) and
@@ -1672,7 +1672,7 @@ def time_few_row_chains(shape: str, bandwidth: float, out: dict) -> None:
     floor = nbytes / bandwidth * 1e3
     if shape == "qwen3-8b":
         few_row_rounding(layers[0], dims, out)
-    best = sweep_few_linears(layers, dims, shape, bandwidth, out)
+    best = {kind: won[0] for kind, won in sweep_few_linears(layers, dims, shape, bandwidth, out).items()}
     for m in (1, 2, 4, 8, 16):
         x = torch.randn(m, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
 
@@ -1722,11 +1722,11 @@ def few_row_rounding(layer: dict, dims: dict, out: dict) -> None:
 
 
 def sweep_few_linears(
-    layers: list[dict], dims: dict, shape: str, bandwidth: float, out: dict, settings=None, rounds: int = 1
+    layers: list[dict], dims: dict, shape: str, bandwidth: float, out: dict, settings=None, rounds: int = 1, m: int = 8
 ) -> dict:
-    """Per Linear kind (and the LM head, four times, for the 8B), all layers' instances chained (PDL) at 8 rows,
+    """Per Linear kind (and the LM head, four times, for the 8B), all layers' instances chained (PDL) at m rows,
     over the few-row kernel's settings, the planner's and cuBLAS's (after the norm / SiLU kernel, as the path
-    before ran it), each the median of `rounds` interleaved rounds; returns the best plan per kind."""
+    before ran it), each the median of `rounds` interleaved rounds; returns per kind (best plan, its ms, cuBLAS's)."""
     import torch.nn.functional as F
 
     from hsmc.ops import fused as fk
@@ -1744,9 +1744,8 @@ def sweep_few_linears(
         (32, 256, 1, 2, 3), (32, 256, 1, 2, 5), (32, 256, 1, 1, 4), (16, 256, 1, 1, 4), (16, 256, 1, 2, 4),
         (32, 512, 1, 2, 3), (32, 128, 1, 2, 6), (64, 128, 1, 2, 4), (64, 256, 1, 4, 4), (32, 256, 1, 4, 4),
         (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 3, 4, 4), (32, 256, 2, 2, 4)]  # fmt: skip
-    m = 8
     norm = layers[0]["norm1"]
-    best = {}
+    best, cublas_ms = {}, {}
     for kind, how in kinds.items():
         n, k = weights[kind][0].shape
         x = torch.randn(m, 2 * k if how.get("silu") else k, device=DEVICE, dtype=torch.bfloat16)
@@ -1760,7 +1759,7 @@ def sweep_few_linears(
                 else:
                     torch.addmm(res, fk.silu_mul(x) if how.get("silu") else x, w.t())
 
-        planned = plan_few_row_linear(n, k, DEVICE)
+        planned = plan_few_row_linear(n, k, m, DEVICE)
         timings: dict = {"cublas": [graph_ms(cublas)]}
         for _ in range(rounds):  # interleaved, so a clock or thermal drift hits every setting alike
             for setting in [planned] + [FewRowPlan(*s) for s in settings]:
@@ -1780,7 +1779,7 @@ def sweep_few_linears(
                     say(f"  sweep {shape} {kind} {setting}: {type(e).__name__}: {str(e)[:200]}")
         medians = {setting: sorted(ms)[len(ms) // 2] for setting, ms in timings.items() if ms[-1] is not None}
         rows = [(setting, ms, nbytes / ms / 1e9) for setting, ms in medians.items()]
-        best[kind] = min(rows[1:], key=lambda r: r[1])
+        best[kind], cublas_ms[kind] = min(rows[1:], key=lambda r: r[1]), rows[0][1]
         label = lambda p: f"{p.block_n}/{p.block_k}/{p.split_k}/{p.num_warps}/{p.num_stages}"  # noqa: E731
         say(f"  sweep {shape} M={m} {kind} [{n}x{k}] x{len(weights[kind])}: cublas {rows[0][1]:.3f} ms = "
             f"{rows[0][2]:.2f} TB/s ({rows[0][2] * 1e12 / bandwidth:.0%}); planned {label(rows[1][0])}: "
@@ -1788,7 +1787,7 @@ def sweep_few_linears(
             f"{best[kind][1]:.3f} ms = {best[kind][2]:.2f} TB/s ({best[kind][2] * 1e12 / bandwidth:.0%} of copy); "
             + " ".join(f"{label(r[0])}:{r[2]:.2f}" for r in rows[2:]))  # fmt: skip
         out[f"sweep {shape} M={m} {kind}"] = [(str(r[0]), r[1], r[2]) for r in rows]
-    return {kind: row[0] for kind, row in best.items()}
+    return {kind: (row[0], row[1], cublas_ms[kind]) for kind, row in best.items()}
 
 
 def few_row_forwards_8b(out: dict) -> None:
@@ -1851,14 +1850,16 @@ def forwards_8b(row_counts: tuple[int, ...], variants: tuple[str, ...], use, rou
 # (weight rows per program, K tile, K splits, warps, stages) tried by `fewplans` besides the default plan
 PLAN_CANDIDATES = [
     (32, 256, 1, 2, 3), (32, 256, 1, 2, 5), (32, 128, 1, 2, 6), (32, 128, 1, 2, 8), (64, 128, 1, 2, 4),
-    (64, 128, 1, 2, 5), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (64, 128, 3, 4, 4), (32, 256, 2, 2, 4),
-    (32, 512, 1, 2, 3), (128, 64, 1, 4, 4), (64, 64, 1, 2, 8), (16, 256, 1, 1, 4)]  # fmt: skip
+    (64, 128, 1, 2, 5), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (64, 128, 1, 4, 8), (32, 128, 1, 4, 6),
+    (64, 128, 3, 4, 4), (32, 256, 2, 2, 4), (32, 512, 1, 2, 3), (128, 64, 1, 4, 4), (64, 64, 1, 4, 8),
+    (64, 256, 1, 4, 3), (16, 256, 1, 1, 4)]  # fmt: skip
 
 
 def check_few_plans() -> None:
     """The measured plans of `few_row_linear.MEASURED_PLANS` for this GPU: each Qwen3-8B Linear kind and the LM head
-    swept at 8 rows (median of 3 interleaved rounds), the winners printed as the table's entry; then the 8B's
-    Linears chained and the whole 8B step at 2, 8 and 16 rows with the default plans against the winners."""
+    swept at 8 rows (the 16-row tile) and at 32 rows (the 32-row tile; kept where it beat cuBLAS), the median of 3
+    interleaved rounds, the winners printed as the table's entries; then the 8B's Linears chained and the whole 8B
+    step at 2..32 rows with the default route (default plans; cuBLAS past 16 rows) against the winners."""
     from dataclasses import astuple
 
     from hsmc.ops import few_row_linear as frl
@@ -1870,18 +1871,22 @@ def check_few_plans() -> None:
     kept = frl.MEASURED_PLANS.pop(name, None)
     try:
         layers, dims = layer_linears_of("qwen3-8b", False)
-        best = sweep_few_linears(layers, dims, "qwen3-8b", bandwidth, out, PLAN_CANDIDATES, rounds=3)
         shapes = dict(dims, lm_head=(shape_config("qwen3-8b").vocab_size, dims["o"][0]))
-        table = {shapes[kind]: plan for kind, plan in best.items()}
-        say(f"  measured plans: {name!r}: {{" + ", ".join(f"{nk}: {p}" for nk, p in table.items()) + "}")
-        out["table"] = [{"kind": kind, "shape": shapes[kind], "plan": astuple(plan)} for kind, plan in best.items()]
-        for m in (2, 8, 16):
+        table, won = {}, {}
+        for tile, m in ((16, 8), (32, 32)):
+            swept = sweep_few_linears(layers, dims, "qwen3-8b", bandwidth, out, PLAN_CANDIDATES, rounds=3, m=m)
+            won[tile] = {kind: plan for kind, (plan, ms, cublas) in swept.items() if tile == 16 or ms < cublas}
+            table |= {(*shapes[kind], tile): plan for kind, plan in won[tile].items()}
+        say(f"  measured plans for {name!r}:")
+        for (n, k, tile), plan in table.items():
+            say(f"        ({n}, {k}, {tile}): FewRowPlan{astuple(plan)},")
+        out["table"] = [[*key, *astuple(plan)] for key, plan in table.items()]
+        for m in (2, 8, 16, 24, 32):
             x = torch.randn(m, dims["o"][0], device=DEVICE, dtype=torch.bfloat16)
-            samples: dict[str, list[float]] = {"default": [], "measured": []}
-            for _ in range(5):
-                samples["default"].append(graph_ms(lambda: few_row_chain(layers, dims, x, "few")))
-                samples["measured"].append(graph_ms(lambda: few_row_chain(layers, dims, x, "few", best)))
-            t = {k: sorted(v)[2] for k, v in samples.items()}
+            plans = won[frl.row_tile(m)]
+            paths = {"default": lambda: few_row_chain(layers, dims, x, "few" if m <= 16 else "cublas"),
+                     "measured": lambda: few_row_chain(layers, dims, x, "few", plans)}  # fmt: skip
+            t = {path: sorted(graph_ms(run) for _ in range(5))[2] for path, run in paths.items()}
             say(f"  8B Linears chained M={m}: default {t['default']:.3f} ms, measured {t['measured']:.3f} ms "
                 f"({t['measured'] / t['default']:.3f}x)")  # fmt: skip
             out[f"chain M={m}"] = t
@@ -1892,7 +1897,7 @@ def check_few_plans() -> None:
         def use(variant: str) -> None:
             frl.MEASURED_PLANS[name] = table if variant == "measured" else {}
 
-        for m, t in forwards_8b((2, 8, 16), ("default", "measured"), use, rounds=3).items():
+        for m, t in forwards_8b((2, 8, 16, 24, 32), ("default", "measured"), use, rounds=3).items():
             say(f"  8B step M={m} (graph, 260 keys): weight read {t['floor_ms']:.3f} ms; default {t['default']:.3f} "
                 f"ms, measured {t['measured']:.3f} ms ({t['measured'] / t['default']:.3f}x)")  # fmt: skip
             out[f"8B step M={m}"] = t

@@ -24,7 +24,7 @@ from hsmc.ops import fused  # noqa: E402
 from hsmc.ops.backend import HeadLayout, Rope, TorchBackend, rms_norm_reference  # noqa: E402
 from hsmc.ops.batch import ForwardBatch, padded_columns  # noqa: E402
 from hsmc.ops.decode_linear import DecodeLinearPlan, decode_linear  # noqa: E402
-from hsmc.ops.few_row_linear import MEASURED_PLANS, FewRowPlan, few_row_linear  # noqa: E402
+from hsmc.ops.few_row_linear import MAX_ROWS, MEASURED_PLANS, FewRowPlan, few_row_linear  # noqa: E402
 from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
 from hsmc.ops.kv_cache import KVCache  # noqa: E402
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
@@ -187,7 +187,7 @@ def test_decode_linear_fp8_matches_dequantized_matmul(n, k, block_n, block_k, fu
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize("rows", [2, 7, 16])
+@pytest.mark.parametrize("rows", [2, 7, 16, 23, 32])
 @pytest.mark.parametrize("prologue", ["none", "rms_norm", "silu_mul"])
 @pytest.mark.parametrize("epilogue", ["none", "bias", "residual", "both"])
 @pytest.mark.parametrize(
@@ -216,25 +216,26 @@ def test_few_row_linear_matches_reference(dtype, rows, prologue, epilogue, plan)
 
 
 @pytest.mark.parametrize(
-    "gpu, shape, plan",
-    [(gpu, shape, plan) for gpu, plans in MEASURED_PLANS.items() for shape, plan in plans.items()],
+    "gpu, key, plan",
+    [(gpu, key, plan) for gpu, plans in MEASURED_PLANS.items() for key, plan in plans.items()],
     ids=lambda v: str(v).replace(" ", "-") if isinstance(v, str) else None,
 )
-def test_measured_few_row_plans_are_planned_and_exact(monkeypatch, gpu, shape, plan):
-    """A measured plan is what the planner gives for its GPU and shape (another shape gets the default), and its
-    tiles give the reference's result (N and K ragged against them, the residual epilogue)."""
+def test_measured_few_row_plans_are_planned_and_exact(monkeypatch, gpu, key, plan):
+    """A measured plan is what the planner gives for its GPU, shape and row tile (another shape gets the default), and
+    its tiles give the reference's result at that tile's rows (N and K ragged against them, the residual epilogue)."""
     import hsmc.ops.few_row_linear as frl
 
     monkeypatch.setattr(frl, "gpu_name", lambda device: gpu)
-    cpu = torch.device("cpu")
-    assert frl.plan_few_row_linear(*shape, cpu) == plan
-    default = FewRowPlan(32, 256, frl.splits_to_fill(shape[0] // 32 + 1, shape[1] // 256, cpu))
-    assert frl.plan_few_row_linear(shape[0] + 8, shape[1], cpu) == default
+    (n, k, tile), cpu = key, torch.device("cpu")
+    assert frl.plan_few_row_linear(n, k, tile, cpu) == plan
+    default = FewRowPlan(32, 256, frl.splits_to_fill(n // 32 + 1, k // 256, cpu))
+    assert frl.plan_few_row_linear(n + 8, k, tile, cpu) == default
     torch.manual_seed(0)
+    rows = tile - 3
     n, k = 2 * plan.block_n + 8, plan.split_k * plan.num_stages * plan.block_k + 40
-    x = torch.randn(8, k, device=DEVICE)
+    x = torch.randn(rows, k, device=DEVICE)
     w = torch.randn(n, k, device=DEVICE) / k**0.5
-    residual = torch.randn(8, n, device=DEVICE)
+    residual = torch.randn(rows, n, device=DEVICE)
     out = few_row_linear(x, w, residual=residual, plan=plan)
     ref = decode_linear_reference(x, w, None, None, False, residual)
     assert ((out.double() - ref).norm() / ref.norm()).item() < _linear_tolerance(torch.float32)
@@ -273,10 +274,16 @@ def test_backend_linears_match_reference(fp8, rows):
         assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 17])
-def test_backend_routes_few_rows_to_the_few_row_kernel(rows, monkeypatch):
-    """2..16 rows of dense weights take `few_row_linear` in all three Linear steps; one row and more rows do not."""
+@pytest.mark.parametrize("measured", [False, True], ids=["no-32-row-plan", "32-row-plan"])
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, MAX_ROWS, MAX_ROWS + 1])
+def test_backend_routes_few_rows_to_the_few_row_kernel(rows, measured, monkeypatch):
+    """2..16 rows of dense weights take `few_row_linear` in all three Linear steps, 17..32 only where the GPU has a
+    measured 32-row plan for the weight; one row and more rows do not."""
+    import hsmc.ops.few_row_linear as frl
     import hsmc.ops.triton_backend as triton_backend
+
+    plans = {(32, 64, 32): FewRowPlan(32, 64)} if measured else {}  # the three Linears' weight [32, 64]
+    monkeypatch.setitem(frl.MEASURED_PLANS, frl.gpu_name(torch.device(DEVICE)), plans)
 
     calls = []
     kernel = triton_backend.few_row_linear
@@ -289,7 +296,7 @@ def test_backend_routes_few_rows_to_the_few_row_kernel(rows, monkeypatch):
         backend.linear(torch.randn(rows, 1, k, device=DEVICE), dense, torch.randn(rows, 1, n, device=DEVICE))
         backend.norm_linear(torch.randn(rows, 1, k, device=DEVICE), norm, dense)
         backend.silu_linear(torch.randn(rows, 1, 2 * k, device=DEVICE), down, torch.randn(rows, 1, n, device=DEVICE))
-    assert len(calls) == (3 if 2 <= rows <= 16 else 0)
+    assert len(calls) == (3 if 2 <= rows <= 16 or (measured and 17 <= rows <= MAX_ROWS) else 0)
 
 
 def fp8_module(linear: torch.nn.Linear) -> Fp8Linear:

@@ -5,8 +5,9 @@ without a GPU.
 
 A Linear of one row (batch-1 decode) is one `decode_linear` kernel with its norm or SiLU·mul and its
 residual add inside, chained to the next kernel by programmatic dependent launch. 2..16 rows of dense
-weights run `few_row_linear` (tensor cores, the residual add inside, PDL) after a separate RMSNorm or
-SiLU·mul kernel (`fused.py`); more rows, or FP8 weights, a GEMM (cuBLAS with the residual as its `beta`
+weights (17..32 where the GPU has a measured plan for the weight) run `few_row_linear` (tensor cores, the
+residual add inside, PDL) after a separate RMSNorm or SiLU·mul kernel (`fused.py`); more rows, or FP8
+weights, a GEMM (cuBLAS with the residual as its `beta`
 term, or an FP8 GEMM with a residual epilogue: weight-only, or with `engine.fp8_activations` on FP8
 activations) after the same kernels."""
 
@@ -22,7 +23,7 @@ from hsmc.ops import fused
 from hsmc.ops.backend import HeadLayout, RMSNormWeight, Rope
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.decode_linear import decode_linear
-from hsmc.ops.few_row_linear import MAX_ROWS, few_row_linear
+from hsmc.ops.few_row_linear import MAX_ROWS, few_row_linear, measured_plan
 from hsmc.ops.fp8_linear import Fp8Linear, fp8_linear
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
@@ -123,8 +124,12 @@ def _one_row(x: torch.Tensor, linear: nn.Module) -> bool:
 
 
 def _few_rows(x: torch.Tensor, linear: nn.Module) -> bool:
-    """2..16 rows of dense weights go through `few_row_linear` (FP8 weights keep their GEMM)."""
-    return x.numel() <= MAX_ROWS * x.shape[-1] and not isinstance(linear, Fp8Linear)
+    """2..16 rows of dense weights go through `few_row_linear`, 17..32 where this GPU has a measured 32-row plan
+    for the weight (it beat cuBLAS there); FP8 weights keep their GEMM."""
+    rows = x.numel() // x.shape[-1]
+    if isinstance(linear, Fp8Linear) or rows > MAX_ROWS:
+        return False
+    return rows <= 16 or measured_plan(*linear.weight.shape, rows, x.device) is not None
 
 
 def _weights(linear: nn.Module) -> dict:
