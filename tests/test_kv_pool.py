@@ -29,6 +29,12 @@ op = st.one_of(
         st.just("rollback"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True), st.integers(0, 4)
     ),
     st.tuples(st.just("release"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True)),
+    st.tuples(  # rows cut back to a new length (rows already shorter keep theirs), at most 5 tokens each
+        st.just("truncate"),
+        st.lists(
+            st.tuples(st.integers(0, ROWS - 1), st.integers(0, WIDTH)), min_size=1, max_size=3, unique_by=lambda x: x[0]
+        ),
+    ),
 )
 
 
@@ -70,6 +76,11 @@ def test_random_operation_sequences_keep_invariants(ops):
             tables.rollback(torch.tensor(rows), torch.tensor(counts), 4)
             for r, c in zip(rows, counts):
                 del model[r][len(model[r]) - c :]
+        elif kind == "truncate":
+            rows, keep = _truncation(args[0], [len(row) for row in model])
+            tables.truncate(torch.tensor(rows), torch.tensor(keep), 5)
+            for r, k in zip(rows, keep):
+                del model[r][k:]
         else:
             tables.release(torch.tensor(args[0]))
             for r in args[0]:
@@ -86,6 +97,11 @@ def test_random_operation_sequences_keep_invariants(ops):
     assert alloc.num_free() == SLOTS, "pool did not return to empty"
 
 
+def _truncation(pairs: list[tuple[int, int]], lengths: list[int]) -> tuple[list[int], list[int]]:
+    """A truncate op's rows and new lengths, each dropping at most 5 tokens (its host-known bound)."""
+    return [r for r, _ in pairs], [max(k, lengths[r] - 5) for r, k in pairs]
+
+
 def _apply(tables: BlockTables, kind: str, args: list) -> None:
     """One of `op`'s operations but an append."""
     if kind == "fork":
@@ -95,21 +111,45 @@ def _apply(tables: BlockTables, kind: str, args: list) -> None:
         rows, n = args
         counts = [min(n, int(tables.length[r])) for r in rows]
         tables.rollback(torch.tensor(rows), torch.tensor(counts), 4)
+    elif kind == "truncate":
+        rows, keep = _truncation(args[0], tables.length.tolist())
+        tables.truncate(torch.tensor(rows), torch.tensor(keep), 5)
     else:
         tables.release(torch.tensor(args[0]))
 
 
+def _assert_same(ref: BlockTables, dev: BlockTables) -> None:
+    assert torch.equal(dev.allocator.refcount, ref.allocator.refcount)
+    assert torch.equal(dev.length, ref.length)
+    for r in range(ROWS):
+        n = int(ref.length[r])
+        assert torch.equal(dev.table[r, :n], ref.table[r, :n])
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(op, max_size=25), st.sampled_from([16, 32, 1024]))
-def test_device_append_hands_out_the_references_slots(ops, chunk):
-    """The two-kernel append of CUDA (`hsmc.ops.kv_slots`, here through Triton's interpreter) leaves the same
-    refcounts, tables and lengths and returns the same slots as the torch ops, whatever holes earlier forks,
-    rollbacks and releases left; chunks of 16 and 32 slots make it walk several of the pool's chunks."""
+def test_device_append_and_rollback_match_the_reference(ops, chunk):
+    """The two-kernel append and the one-kernel rollback / truncate of CUDA (`hsmc.ops.kv_slots`, here through
+    Triton's interpreter) leave the same refcounts, tables and lengths, and the append returns the same slots, as
+    the torch ops, whatever holes earlier forks, rollbacks and releases left; chunks of 16 and 32 slots make the
+    append walk several of the pool's chunks."""
     pytest.importorskip("triton")
-    from hsmc.ops.kv_slots import append_slots
+    from hsmc.ops.kv_slots import append_slots, rollback_slots
 
     ref, dev = BlockTables(SlotAllocator(SLOTS), ROWS, WIDTH), BlockTables(SlotAllocator(SLOTS), ROWS, WIDTH)
     for kind, *args in ops:
+        if kind in ("rollback", "truncate"):
+            if kind == "rollback":
+                rows, n = args
+                values, max_drop = [min(n, int(ref.length[r])) for r in rows], 4
+            else:
+                (rows, values), max_drop = _truncation(args[0], ref.length.tolist()), 5
+            _apply(ref, kind, args)
+            ok = rollback_slots(dev.allocator.refcount, dev.table, dev.length, torch.tensor(rows),
+                                torch.tensor(values), max_drop, kind == "truncate")  # fmt: skip
+            assert ok.tolist() == [1, 1]
+            _assert_same(ref, dev)
+            continue
         if kind != "append":
             for tables in (ref, dev):
                 _apply(tables, kind, args)
@@ -123,11 +163,7 @@ def test_device_append_hands_out_the_references_slots(ops, chunk):
                                 chunk)  # fmt: skip
         assert ok.tolist() == [1, 1]
         assert all(torch.equal(g, w) for g, w in zip(got, want)), "slots, start and columns"
-        assert torch.equal(dev.allocator.refcount, ref.allocator.refcount)
-        assert torch.equal(dev.length, ref.length)
-        for r in range(ROWS):
-            n = int(ref.length[r])
-            assert torch.equal(dev.table[r, :n], ref.table[r, :n])
+        _assert_same(ref, dev)
     check_invariants(dev.allocator, [dev])
 
 
@@ -143,6 +179,26 @@ def test_device_append_flags_what_the_reference_asserts():
     *_, ok = append_slots(tables.allocator.refcount, tables.table, tables.length, torch.tensor([1]),
                          torch.tensor([7]), 7, 6, 4)  # fmt: skip
     assert ok.tolist() == [1, 0], "7 tokens in a table of 6"
+
+
+def test_device_rollback_flags_what_the_reference_asserts():
+    pytest.importorskip("triton")
+    from hsmc.ops.kv_slots import rollback_slots
+
+    def rollback(rows, values, max_drop, to_length, released_slot=None):
+        tables = BlockTables(SlotAllocator(8), 2, 6)
+        tables.append(torch.tensor([0, 1]), torch.tensor([3, 2]), 3)  # rows of 3 and 2 tokens
+        if released_slot is not None:  # a slot row 1 still lists, released behind its back
+            tables.allocator.refcount[tables.table[1, released_slot]] = 0
+        args = (tables.allocator.refcount, tables.table, tables.length, torch.tensor(rows), torch.tensor(values))
+        return rollback_slots(*args, max_drop, to_length).tolist()
+
+    assert rollback([0, 1], [1, 2], 2, False) == [1, 1]
+    assert rollback([1], [3], 4, False) == [0, 1], "3 tokens dropped from a row of 2"
+    assert rollback([0], [3], 2, False) == [0, 1], "3 tokens dropped, at most 2 allowed"
+    assert rollback([0], [0], 2, True) == [0, 1], "truncated by 3 tokens, at most 2 allowed"
+    assert rollback([0], [5], 0, True) == [1, 1], "a row already shorter keeps its length"
+    assert rollback([1], [1], 1, False, released_slot=1) == [1, 0]
 
 
 def test_fan_out_shares_slots_and_frees_on_last_owner():

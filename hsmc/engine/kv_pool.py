@@ -14,7 +14,8 @@ is 0; allocation takes the lowest-numbered free slots through a cumulative sum, 
 free list to keep consistent. Slot id `num_slots` is the trash slot: padding writes and masked-out
 updates go there. Misuse (out of slots, table overflow, double free) is caught by
 `torch._assert_async`, which raises at once on the CPU and without a sync on the GPU. On CUDA the
-append before every forward runs as two Triton kernels (`hsmc.ops.kv_slots`), these ops its reference.
+append before every forward runs as two Triton kernels and a rollback as one (`hsmc.ops.kv_slots`), these ops
+their reference.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from hsmc.ops.batch import padded_columns
 
 OUT_OF_SLOTS = "KV pool out of slots: raise engine.kv_capacity_tokens"
 ROW_OVERFLOW = "row longer than its block table (engine.kv_capacity_tokens)"
+BAD_ROLLBACK = "bad rollback count"
+OVER_RELEASED = "KV slot released more often than it was referenced"
 
 
 class SlotAllocator:
@@ -65,9 +68,7 @@ class SlotAllocator:
     def add_refs(self, slots: torch.Tensor, weights: torch.Tensor) -> None:
         """refcount[slots[i]] += weights[i] (weights 0 leave a slot alone; duplicates add up)."""
         self.refcount.index_add_(0, slots.reshape(-1), weights.reshape(-1).to(torch.int32))
-        torch._assert_async(
-            (self.refcount[: self.num_slots] >= 0).all(), "KV slot released more often than it was referenced"
-        )
+        torch._assert_async((self.refcount[: self.num_slots] >= 0).all(), OVER_RELEASED)
 
     def inc_ref(self, slots: torch.Tensor) -> None:
         """One more owner for each entry of `slots`."""
@@ -142,9 +143,12 @@ class BlockTables:
         return slots, start, padded_columns(start, counts, width)
 
     def rollback(self, rows: torch.Tensor, counts: torch.Tensor, max_count: int) -> None:
-        """Drop the last `counts[i]` tokens of `rows[i]` (0 <= counts <= max_count, a host-known bound)."""
+        """Drop the last `counts[i]` tokens of `rows[i]` (0 <= counts <= max_count, a host-known bound; rows unique).
+        On CUDA one kernel (`hsmc.ops.kv_slots.rollback_slots`); these ops are its reference."""
+        if self.table.is_cuda:
+            return self._rollback_on_device(rows, counts, max_count, to_length=False)
         end = self.length[rows]
-        torch._assert_async(((counts >= 0) & (counts <= end) & (counts <= max_count)).all(), "bad rollback count")
+        torch._assert_async(((counts >= 0) & (counts <= end) & (counts <= max_count)).all(), BAD_ROLLBACK)
         back = torch.arange(1, max_count + 1, device=rows.device)
         cols = (end[:, None] - back[None, :]).clamp_min(0)  # [R, max_count], last column first
         dropped = back[None, :] <= counts[:, None]
@@ -153,7 +157,16 @@ class BlockTables:
 
     def truncate(self, rows: torch.Tensor, new_length: torch.Tensor, max_drop: int) -> None:
         """Cut each row back to at most new_length[i] tokens (rows already shorter keep theirs)."""
+        if self.table.is_cuda:
+            return self._rollback_on_device(rows, new_length, max_drop, to_length=True)
         self.rollback(rows, (self.length[rows] - new_length).clamp_min(0), max_drop)
+
+    def _rollback_on_device(self, rows: torch.Tensor, values: torch.Tensor, max_drop: int, to_length: bool) -> None:
+        from hsmc.ops.kv_slots import rollback_slots
+
+        ok = rollback_slots(self.allocator.refcount, self.table, self.length, rows, values, max_drop, to_length)
+        torch._assert_async(ok[0], BAD_ROLLBACK)
+        torch._assert_async(ok[1], OVER_RELEASED)
 
     def release(self, rows: torch.Tensor, max_len: int | None = None) -> None:
         """Give up every slot of `rows` (each at most `max_len` long, when given); they become empty rows."""

@@ -1,4 +1,5 @@
-"""A forward's KV slots allocated and appended to the rows' block tables in two launches (CUDA).
+"""A forward's KV slots allocated and appended to the rows' block tables in two launches, and rows rolled back in
+one (CUDA).
 
 `BlockTables.append` in torch ops (the CPU reference) ranks the free slots by a cumulative sum over the whole
 pool, searches the ranks each row wants, bumps refcounts and writes the tables through indexed copies, checking
@@ -9,6 +10,10 @@ program walks only the chunks that hold the ranks it needs, hands the slots out 
 lowest-numbered free slots, row by row), bumps their refcounts and writes the rows' tables, lengths and slots
 (and the new tokens' columns, which are their RoPE positions).
 What the reference asserts comes back as two flags for `torch._assert_async`.
+
+A rollback (drafts rejected, a deferred seed, the tokens past a stop) is the same story at a smaller scale: the
+reference's ~20 kernels (bounds check, gathers, the refcount update and its pool-wide check, the lengths) become one
+program that walks the rows' last columns, releases the dropped slots with atomics and lowers the lengths.
 """
 
 from __future__ import annotations
@@ -139,3 +144,61 @@ def append_slots(
         BLOCK_R=block_r, BLOCK_W=block_w, num_warps=4,
     )  # fmt: skip
     return slots, start, columns, ok
+
+
+@triton.jit
+def _rollback_kernel(
+    refcount_ptr,
+    table_ptr,
+    length_ptr,
+    rows_ptr,
+    values_ptr,
+    ok_ptr,
+    R,
+    max_drop,
+    stride_table,
+    TO_LENGTH: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    rows = tl.load(rows_ptr + r, mask=r_ok, other=0)
+    end = tl.load(length_ptr + rows, mask=r_ok, other=0)
+    value = tl.load(values_ptr + r, mask=r_ok, other=0)
+    count = tl.maximum(end - value, 0) if TO_LENGTH else value  # a new length, or the tokens to drop
+    valid = (count >= 0) & (count <= end) & (count <= max_drop)
+    counts_ok = tl.min(tl.where(r_ok, valid, True).to(tl.int32), 0)
+    released_ok = tl.full([], 1, tl.int32)
+    for d0 in range(0, max_drop, BLOCK_D):
+        back = d0 + 1 + tl.arange(0, BLOCK_D)  # 1 = the row's last token
+        dropped = (r_ok & valid)[:, None] & (back[None, :] <= count[:, None])
+        slot = tl.load(table_ptr + rows[:, None] * stride_table + end[:, None] - back[None, :], mask=dropped, other=0)
+        before = tl.atomic_add(refcount_ptr + slot, tl.full([BLOCK_R, BLOCK_D], -1, tl.int32), mask=dropped)
+        released_ok = tl.minimum(released_ok, tl.min(tl.where(dropped, before >= 1, True).to(tl.int32)))
+    tl.store(length_ptr + rows, end - tl.where(valid, count, 0), mask=r_ok)
+    tl.store(ok_ptr, counts_ok)
+    tl.store(ok_ptr + 1, released_ok)
+
+
+def rollback_slots(
+    refcount: torch.Tensor,
+    table: torch.Tensor,
+    length: torch.Tensor,
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    max_drop: int,
+    to_length: bool,
+) -> torch.Tensor:
+    """`BlockTables.rollback` (values: tokens to drop per row) or `truncate` (`to_length`: each row's new length, rows
+    already shorter keep theirs) on the device, rows unique; returns int32 flags [every count in 0..min(length,
+    max_drop), no slot released below zero references]."""
+    ok = torch.ones(2, dtype=torch.int32, device=refcount.device)
+    if rows.shape[0] == 0:
+        return ok
+    block_r, block_d = row_tiles(rows.shape[0], max_drop)
+    _rollback_kernel[(1,)](
+        refcount, table, length, rows, values, ok, rows.shape[0], max_drop, table.stride(0), TO_LENGTH=to_length,
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return ok
