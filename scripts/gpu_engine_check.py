@@ -1810,14 +1810,16 @@ def few_row_forwards_8b(out: dict) -> None:
         out[f"8B forward M={m}"] = t
 
 
-def forwards_8b(row_counts: tuple[int, ...], variants: tuple[str, ...], use, rounds: int) -> dict[int, dict]:
-    """ms of one whole Qwen3-8B step (random bf16, graph replay, 260 keys per row) per row count and variant;
+def forwards_8b(
+    row_counts: tuple[int, ...], variants: tuple[str, ...], use, rounds: int, context: int = 260
+) -> dict[int, dict]:
+    """ms of one whole Qwen3-8B step (random bf16, graph replay, `context` keys per row) per row count and variant;
     `use(variant)` sets the route before the graphs are captured again; variants interleaved over `rounds`,
     the median kept."""
     from hsmc.engine.cuda_graphs import CUDAGraphs
 
     cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
-    context, width = 260, 300
+    width = context + 40
     tables = BlockTables(SlotAllocator(max(row_counts) * width, "cuda"), max(row_counts), width)
     model = random_model(cfg, torch.bfloat16, "cuda")
     runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
@@ -2116,6 +2118,56 @@ def check_decode_attention() -> None:
     results["decode_attention"] = out
 
 
+def check_blas_routes() -> None:
+    """The entries of `blas_library.CUBLASLT_GEMMS` for this GPU: each Qwen3-8B / 32B matrix (the LM heads included)
+    at the rows its cuBLAS GEMMs take in the stacks (verifies of N x (K + 1) tokens, batched rejection rounds and
+    proposal steps), through cuBLAS and cuBLASLt, called as `_matmul` calls it (the residual accumulated in place
+    for `o` and `down`), four copies chained in a graph, the median of 3 interleaved rounds; printed where cuBLASLt
+    was >= 2 % faster; and the largest relative difference of the two libraries' products."""
+    import torch.nn.functional as F
+
+    from hsmc.ops.few_row_linear import gpu_name
+
+    bw = copy_bandwidth(DEVICE)
+    out = results.setdefault("blasroutes", {"bandwidth": bw})
+    faster, worst = [], 0.0
+    sizes = {"qwen3-32b": (72, 102, 144, 288, 408, 576, 1152), "qwen3-8b": (48, 64, 72, 120, 128, 144)}
+    for shape, row_counts in sizes.items():
+        _, dims = layer_linears_of(shape, False, layers=1)
+        dims = dims | {"lm_head": (shape_config(shape).vocab_size, dims["o"][0])}
+        for name, (n, k) in dims.items():
+            ws = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
+            for m in row_counts:
+                x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+                res = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+                fn = (lambda: [res.addmm_(x, w.t()) for w in ws]) if name in ("o", "down") else (
+                    lambda: [F.linear(x, w) for w in ws])  # fmt: skip
+                cells: dict[str, list[float]] = {}
+                products = []
+                for lib in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    products.append(F.linear(x, ws[0]).float())
+                worst = max(worst, ((products[1] - products[0]).norm() / products[0].norm()).item())
+                for _ in range(3):
+                    for lib in ("cublas", "cublaslt"):
+                        torch.backends.cuda.preferred_blas_library(lib)
+                        cells.setdefault(lib, []).append(graph_ms(fn) / 4 * 1e3)
+                torch.backends.cuda.preferred_blas_library("cublas")
+                med = {lib: sorted(v)[1] for lib, v in cells.items()}
+                read_us = n * k * 2 / bw * 1e6
+                say(f"  {shape} {name} [{n}x{k}] M={m}: cublas {med['cublas']:.1f} us, cublaslt {med['cublaslt']:.1f} "
+                    f"us ({med['cublaslt'] / med['cublas']:.3f}x; weight read {read_us:.1f} us)")  # fmt: skip
+                out[f"{shape}/{name}/{m}"] = med | {"read_us": read_us}
+                if med["cublaslt"] <= 0.98 * med["cublas"]:
+                    faster.append(f"({n}, {k}, {m}),  # {shape} {name}: {med['cublaslt'] / med['cublas']:.3f}x")
+    say(f"  cuBLAS vs cuBLASLt products: largest relative difference {worst:.2e}")
+    out["worst_rel_diff"] = worst
+    say(f"  cuBLASLt >= 2 % faster on {gpu_name(DEVICE)!r}:")
+    for line in faster:
+        say(f"        {line}")
+    out["faster"] = faster
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -2161,6 +2213,7 @@ def main() -> None:
         "cycles": check_cycles,
         "fp8linears": check_fp8_linears,
         "w8a8sweep": check_w8a8_sweep,
+        "blasroutes": check_blas_routes,
     }
     for name in sections:
         began = time.perf_counter()

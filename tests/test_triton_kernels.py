@@ -299,6 +299,39 @@ def test_backend_routes_few_rows_to_the_few_row_kernel(rows, measured, monkeypat
     assert len(calls) == (3 if 2 <= rows <= 16 or (measured and 17 <= rows <= MAX_ROWS) else 0)
 
 
+@pytest.mark.parametrize("listed", [False, True], ids=["torch-choice", "measured-cublaslt"])
+def test_dense_gemms_switch_to_cublaslt_only_where_measured_faster(listed, monkeypatch):
+    """A GEMM of the backend (more than 32 rows) runs inside cuBLASLt exactly when this GPU's table lists its weight
+    shape and row count; torch's library is restored after it (also when the GEMM raises), and the result is the
+    same GEMM's."""
+    import hsmc.ops.blas_library as blas_library
+
+    library = ["cublas"]
+    seen = []
+
+    def preferred(backend=None):  # torch's setter/getter; the CPU build refuses cuBLASLt, so it is recorded here
+        if backend is not None:
+            library[0] = backend
+        return library[0]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    k, n, rows = 64, 32, MAX_ROWS + 8
+    table = frozenset({(n, k, rows)} if listed else {(n, k, rows + 1), (k, n, rows)})
+    monkeypatch.setitem(blas_library.CUBLASLT_GEMMS, blas_library.gpu_name(torch.device(DEVICE)), table)
+    gemm = torch.nn.functional.linear
+    monkeypatch.setattr(F, "linear", lambda *a: seen.append(library[0]) or gemm(*a))
+    dense = torch.nn.Linear(k, n, bias=False).to(DEVICE)
+    x = torch.randn(rows, 1, k, device=DEVICE)
+    with torch.no_grad():
+        got = TritonBackend().linear(x, dense)
+    assert seen == ["cublaslt" if listed else "cublas"] and library == ["cublas"]
+    assert torch.equal(got, gemm(x, dense.weight))
+    with pytest.raises(RuntimeError), blas_library.blas_library_for(n, k, rows, torch.device(DEVICE)):
+        assert library == ["cublaslt" if listed else "cublas"]
+        raise RuntimeError("a failing GEMM")
+    assert library == ["cublas"]
+
+
 def fp8_module(linear: torch.nn.Linear) -> Fp8Linear:
     module = Fp8Linear(linear.in_features, linear.out_features, False, (128, 128))
     w, scale = quantize_fp8(linear.weight.detach(), (128, 128))

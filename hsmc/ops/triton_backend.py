@@ -7,7 +7,7 @@ A Linear of one row (batch-1 decode) is one `decode_linear` kernel with its norm
 residual add inside, chained to the next kernel by programmatic dependent launch. 2..16 rows of dense
 weights (17..32 where the GPU has a measured plan for the weight) run `few_row_linear` (tensor cores, the
 residual add inside, PDL) after a separate RMSNorm or SiLU·mul kernel (`fused.py`); more rows, or FP8
-weights, a GEMM (cuBLAS with the residual as its `beta`
+weights, a GEMM (cuBLAS, or cuBLASLt where measured faster for the shape, with the residual as its `beta`
 term, or an FP8 GEMM with a residual epilogue: weight-only, or with `engine.fp8_activations` on FP8
 activations) after the same kernels."""
 
@@ -22,6 +22,7 @@ from torch import nn
 from hsmc.ops import fused
 from hsmc.ops.backend import HeadLayout, RMSNormWeight, Rope
 from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.blas_library import blas_library_for
 from hsmc.ops.decode_linear import decode_linear
 from hsmc.ops.few_row_linear import MAX_ROWS, few_row_linear, measured_plan
 from hsmc.ops.fp8_linear import Fp8Linear, fp8_linear
@@ -141,15 +142,17 @@ def _weights(linear: nn.Module) -> dict:
 def _matmul(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
     """[residual +] linear(x) as one GEMM where the GEMM can add the residual: cuBLAS accumulates into the
     (consumed) residual in place, as `torch.addmm` into a new tensor would first copy it there (a copy node
-    per Linear that breaks the chain of dependent launches: two per layer in a verify)."""
+    per Linear that breaks the chain of dependent launches: two per layer in a verify). Dense GEMMs run in the
+    BLAS library measured faster for their shape on this GPU (`blas_library.py`)."""
     if isinstance(linear, Fp8Linear):
         return fp8_linear(
             x, linear.weight, linear.weight_scale_inv, linear.bias, linear.block, residual, linear.dynamic_activations
         )
-    if residual is None:
-        return F.linear(x, linear.weight, linear.bias)
-    if linear.bias is not None or not residual.is_contiguous():
-        return residual + F.linear(x, linear.weight, linear.bias)
-    n = linear.weight.shape[0]
-    residual.view(-1, n).addmm_(x.reshape(-1, x.shape[-1]), linear.weight.t())
-    return residual
+    n, k = linear.weight.shape
+    with blas_library_for(n, k, x.numel() // k, x.device):
+        if residual is None:
+            return F.linear(x, linear.weight, linear.bias)
+        if linear.bias is not None or not residual.is_contiguous():
+            return residual + F.linear(x, linear.weight, linear.bias)
+        residual.view(-1, n).addmm_(x.reshape(-1, k), linear.weight.t())
+        return residual
