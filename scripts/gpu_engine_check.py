@@ -2119,53 +2119,76 @@ def check_decode_attention() -> None:
 
 
 def check_blas_routes() -> None:
-    """The entries of `blas_library.CUBLASLT_GEMMS` for this GPU: each Qwen3-8B / 32B matrix (the LM heads included)
-    at the rows its cuBLAS GEMMs take in the stacks (verifies of N x (K + 1) tokens, batched rejection rounds and
-    proposal steps), through cuBLAS and cuBLASLt, called as `_matmul` calls it (the residual accumulated in place
-    for `o` and `down`), four copies chained in a graph, the median of 3 interleaved rounds; printed where cuBLASLt
-    was >= 2 % faster; and the largest relative difference of the two libraries' products."""
+    """The entries of `gemm_routes.CUBLASLT_GEMMS` and `PADDED_ROWS` for this GPU: each Qwen3-8B / 32B matrix (the LM
+    heads included) at the rows its cuBLAS GEMMs take in the stacks (verifies of N x (K + 1) tokens, batched
+    rejection rounds and proposal steps), through cuBLAS and cuBLASLt, called as `_matmul` calls it (the residual
+    accumulated in place for `o` and `down`), four copies chained in a graph, the median of 3 interleaved rounds;
+    printed where cuBLASLt was >= 2 % faster. The 32B's matrices after an RMSNorm (`qkv`, `gate_up`, LM head) also run
+    at 8..32 more rows (cuBLAS; the norm would write the taller input for free), printed where the fastest of those
+    beat the rows' own route by >= 2 %. And the largest relative difference of the products of the two libraries and
+    of the taller GEMMs' first rows."""
     import torch.nn.functional as F
 
     from hsmc.ops.few_row_linear import gpu_name
 
     bw = copy_bandwidth(DEVICE)
     out = results.setdefault("blasroutes", {"bandwidth": bw})
-    faster, worst = [], 0.0
+    faster, padded, worst = [], [], 0.0
     sizes = {"qwen3-32b": (72, 102, 144, 288, 408, 576, 1152), "qwen3-8b": (48, 64, 72, 120, 128, 144)}
+
+    def median_us(fn, lib: str) -> float:
+        torch.backends.cuda.preferred_blas_library(lib)
+        return graph_ms(fn) / 4 * 1e3
+
     for shape, row_counts in sizes.items():
         _, dims = layer_linears_of(shape, False, layers=1)
         dims = dims | {"lm_head": (shape_config(shape).vocab_size, dims["o"][0])}
         for name, (n, k) in dims.items():
             ws = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
             for m in row_counts:
-                x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+                norm_fed = shape == "qwen3-32b" and name not in ("o", "down")
+                taller = [m + 8 * j for j in range(1, 5)] if norm_fed else []
+                x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)  # the taller inputs start with its rows
+                xs = {r: torch.cat([x, torch.randn(r - m, k, device=DEVICE, dtype=x.dtype)]) for r in [m, *taller]}
                 res = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
                 fn = (lambda: [res.addmm_(x, w.t()) for w in ws]) if name in ("o", "down") else (
                     lambda: [F.linear(x, w) for w in ws])  # fmt: skip
-                cells: dict[str, list[float]] = {}
                 products = []
                 for lib in ("cublas", "cublaslt"):
                     torch.backends.cuda.preferred_blas_library(lib)
                     products.append(F.linear(x, ws[0]).float())
-                worst = max(worst, ((products[1] - products[0]).norm() / products[0].norm()).item())
+                torch.backends.cuda.preferred_blas_library("cublas")
+                products += [F.linear(xs[r], ws[0])[:m].float() for r in taller]
+                worst = max([worst] + [((p - products[0]).norm() / products[0].norm()).item() for p in products[1:]])
+                cells: dict[str, list[float]] = {}
                 for _ in range(3):
                     for lib in ("cublas", "cublaslt"):
-                        torch.backends.cuda.preferred_blas_library(lib)
-                        cells.setdefault(lib, []).append(graph_ms(fn) / 4 * 1e3)
+                        cells.setdefault(lib, []).append(median_us(fn, lib))
+                    for r in taller:
+                        gemms = lambda r=r: [F.linear(xs[r], w) for w in ws]  # noqa: E731
+                        cells.setdefault(r, []).append(median_us(gemms, "cublas"))
                 torch.backends.cuda.preferred_blas_library("cublas")
-                med = {lib: sorted(v)[1] for lib, v in cells.items()}
+                med = {key: sorted(v)[1] for key, v in cells.items()}
                 read_us = n * k * 2 / bw * 1e6
+                tall = "; cublas at " + " ".join(f"{r}: {med[r]:.1f}" for r in taller) if taller else ""
                 say(f"  {shape} {name} [{n}x{k}] M={m}: cublas {med['cublas']:.1f} us, cublaslt {med['cublaslt']:.1f} "
-                    f"us ({med['cublaslt'] / med['cublas']:.3f}x; weight read {read_us:.1f} us)")  # fmt: skip
-                out[f"{shape}/{name}/{m}"] = med | {"read_us": read_us}
-                if med["cublaslt"] <= 0.98 * med["cublas"]:
+                    f"us ({med['cublaslt'] / med['cublas']:.3f}x; weight read {read_us:.1f} us){tall}")  # fmt: skip
+                out[f"{shape}/{name}/{m}"] = {str(key): v for key, v in med.items()} | {"read_us": read_us}
+                lt = med["cublaslt"] <= 0.98 * med["cublas"]
+                if lt:
                     faster.append(f"({n}, {k}, {m}),  # {shape} {name}: {med['cublaslt'] / med['cublas']:.3f}x")
-    say(f"  cuBLAS vs cuBLASLt products: largest relative difference {worst:.2e}")
+                own = med["cublaslt" if lt else "cublas"]
+                best = min(taller, key=med.get, default=None)
+                if best is not None and med[best] <= 0.98 * own:
+                    padded.append(f"({n}, {k}, {m}): {best},  # {shape} {name}: {med[best] / own:.3f}x")
+    say(f"  cuBLAS vs cuBLASLt vs taller products: largest relative difference {worst:.2e}")
     out["worst_rel_diff"] = worst
-    say(f"  cuBLASLt >= 2 % faster on {gpu_name(DEVICE)!r}:")
-    for line in faster:
-        say(f"        {line}")
-    out["faster"] = faster
+    for label, lines in ((f"cuBLASLt >= 2 % faster on {gpu_name(DEVICE)!r}", faster),
+                         (f"more rows >= 2 % faster on {gpu_name(DEVICE)!r}", padded)):  # fmt: skip
+        say(f"  {label}:")
+        for line in lines:
+            say(f"        {line}")
+    out["faster"], out["padded"] = faster, padded
 
 
 def main() -> None:

@@ -304,7 +304,7 @@ def test_dense_gemms_switch_to_cublaslt_only_where_measured_faster(listed, monke
     """A GEMM of the backend (more than 32 rows) runs inside cuBLASLt exactly when this GPU's table lists its weight
     shape and row count; torch's library is restored after it (also when the GEMM raises), and the result is the
     same GEMM's."""
-    import hsmc.ops.blas_library as blas_library
+    import hsmc.ops.gemm_routes as gemm_routes
 
     library = ["cublas"]
     seen = []
@@ -317,7 +317,7 @@ def test_dense_gemms_switch_to_cublaslt_only_where_measured_faster(listed, monke
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
     k, n, rows = 64, 32, MAX_ROWS + 8
     table = frozenset({(n, k, rows)} if listed else {(n, k, rows + 1), (k, n, rows)})
-    monkeypatch.setitem(blas_library.CUBLASLT_GEMMS, blas_library.gpu_name(torch.device(DEVICE)), table)
+    monkeypatch.setitem(gemm_routes.CUBLASLT_GEMMS, gemm_routes.gpu_name(torch.device(DEVICE)), table)
     gemm = torch.nn.functional.linear
     monkeypatch.setattr(F, "linear", lambda *a: seen.append(library[0]) or gemm(*a))
     dense = torch.nn.Linear(k, n, bias=False).to(DEVICE)
@@ -326,10 +326,36 @@ def test_dense_gemms_switch_to_cublaslt_only_where_measured_faster(listed, monke
         got = TritonBackend().linear(x, dense)
     assert seen == ["cublaslt" if listed else "cublas"] and library == ["cublas"]
     assert torch.equal(got, gemm(x, dense.weight))
-    with pytest.raises(RuntimeError), blas_library.blas_library_for(n, k, rows, torch.device(DEVICE)):
+    with pytest.raises(RuntimeError), gemm_routes.blas_library_for(n, k, rows, torch.device(DEVICE)):
         assert library == ["cublaslt" if listed else "cublas"]
         raise RuntimeError("a failing GEMM")
     assert library == ["cublas"]
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["own-rows", "measured-padding"])
+def test_norm_fed_gemms_run_at_the_measured_rows(listed, monkeypatch):
+    """A GEMM after an RMSNorm (more than 32 rows) runs at the rows this GPU's `PADDED_ROWS` lists for its weight
+    shape and row count, and returns the same rows as the reference backend, in the input's shape."""
+    import hsmc.ops.gemm_routes as gemm_routes
+
+    k, n, rows = 64, 48, MAX_ROWS + 8
+    table = {(n, k, rows): rows + 24} if listed else {(n, k, rows + 1): rows + 24, (k, n, rows): rows + 24}
+    monkeypatch.setitem(gemm_routes.PADDED_ROWS, gemm_routes.gpu_name(torch.device(DEVICE)), table)
+    seen = []
+    gemm = torch.nn.functional.linear
+    monkeypatch.setattr(F, "linear", lambda x, *a: seen.append(x.numel() // x.shape[-1]) or gemm(x, *a))
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(k, n, bias=False).to(DEVICE)
+    norm = RMSNorm(k, 1e-6).to(DEVICE)
+    norm.weight.data = torch.rand(k, device=DEVICE) + 0.5
+    stream = torch.randn(rows // 2, 2, k, device=DEVICE)
+    with torch.no_grad():
+        got = TritonBackend().norm_linear(stream, norm, dense)
+        seen_by_triton = list(seen)
+        want = TorchBackend().norm_linear(stream, norm, dense)
+    assert seen_by_triton == [rows + 24 if listed else rows]
+    assert got.shape == want.shape == (rows // 2, 2, n)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
 def fp8_module(linear: torch.nn.Linear) -> Fp8Linear:

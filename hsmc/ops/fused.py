@@ -42,16 +42,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, USE_PDL
     tl.store(out_ptr + row * N + cols, (h * w).to(dtype), mask=valid)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of every row of x (contiguous rows), one program per row."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of every row of x (contiguous rows), one program per row; into `out` ([rows, n], contiguous) if given."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
-    out = torch.empty_like(x2)
+    result = torch.empty_like(x2) if out is None else out
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, out, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device)
+        x2, weight, result, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device)
     )
-    return out.view(x.shape)
+    return result.view(x.shape) if out is None else out
 
 
 @triton.jit

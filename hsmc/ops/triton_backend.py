@@ -7,9 +7,9 @@ A Linear of one row (batch-1 decode) is one `decode_linear` kernel with its norm
 residual add inside, chained to the next kernel by programmatic dependent launch. 2..16 rows of dense
 weights (17..32 where the GPU has a measured plan for the weight) run `few_row_linear` (tensor cores, the
 residual add inside, PDL) after a separate RMSNorm or SiLU·mul kernel (`fused.py`); more rows, or FP8
-weights, a GEMM (cuBLAS, or cuBLASLt where measured faster for the shape, with the residual as its `beta`
-term, or an FP8 GEMM with a residual epilogue: weight-only, or with `engine.fp8_activations` on FP8
-activations) after the same kernels."""
+weights, a GEMM (cuBLAS, or cuBLASLt and more rows where measured faster for the shape: `gemm_routes.py`; the
+residual as its `beta` term, or an FP8 GEMM with a residual epilogue: weight-only, or with
+`engine.fp8_activations` on FP8 activations) after the same kernels."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from torch import nn
 from hsmc.ops import fused
 from hsmc.ops.backend import HeadLayout, RMSNormWeight, Rope
 from hsmc.ops.batch import ForwardBatch
-from hsmc.ops.blas_library import blas_library_for
 from hsmc.ops.decode_linear import decode_linear
 from hsmc.ops.few_row_linear import MAX_ROWS, few_row_linear, measured_plan
 from hsmc.ops.fp8_linear import Fp8Linear, fp8_linear
+from hsmc.ops.gemm_routes import blas_library_for, gemm_rows
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
 
@@ -64,7 +64,7 @@ class TritonBackend:
             return decode_linear(stream, **_weights(linear), norm=(norm.weight, norm.eps))
         if _few_rows(stream, linear):
             return few_row_linear(stream, linear.weight, bias=linear.bias, norm=(norm.weight, norm.eps))
-        return _matmul(fused.rms_norm(stream, norm.weight, norm.eps), linear, None)
+        return _norm_matmul(stream, norm, linear)
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
         if _one_row(gate_up, linear):
@@ -143,7 +143,7 @@ def _matmul(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -
     """[residual +] linear(x) as one GEMM where the GEMM can add the residual: cuBLAS accumulates into the
     (consumed) residual in place, as `torch.addmm` into a new tensor would first copy it there (a copy node
     per Linear that breaks the chain of dependent launches: two per layer in a verify). Dense GEMMs run in the
-    BLAS library measured faster for their shape on this GPU (`blas_library.py`)."""
+    BLAS library measured faster for their shape on this GPU (`gemm_routes.py`)."""
     if isinstance(linear, Fp8Linear):
         return fp8_linear(
             x, linear.weight, linear.weight_scale_inv, linear.bias, linear.block, residual, linear.dynamic_activations
@@ -156,3 +156,17 @@ def _matmul(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -
             return residual + F.linear(x, linear.weight, linear.bias)
         residual.view(-1, n).addmm_(x.reshape(-1, k), linear.weight.t())
         return residual
+
+
+def _norm_matmul(stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
+    """linear(RMSNorm(stream)) through a GEMM, run at the rows measured fastest for the dense weight on this GPU
+    (`gemm_routes.PADDED_ROWS`): the norm writes its rows into a taller buffer whose extra rows stay unset, and only
+    the GEMM's first rows are kept (each output row depends on its own input row alone)."""
+    k = stream.shape[-1]
+    rows = stream.numel() // k
+    run = rows if isinstance(linear, Fp8Linear) else gemm_rows(linear.weight.shape[0], k, rows, stream.device)
+    if run == rows:
+        return _matmul(fused.rms_norm(stream, norm.weight, norm.eps), linear, None)
+    normed = stream.new_empty(run, k)
+    fused.rms_norm(stream, norm.weight, norm.eps, out=normed[:rows])
+    return _matmul(normed, linear, None)[:rows].view(*stream.shape[:-1], -1)
