@@ -1810,16 +1810,14 @@ def few_row_forwards_8b(out: dict) -> None:
         out[f"8B forward M={m}"] = t
 
 
-def forwards_8b(
-    row_counts: tuple[int, ...], variants: tuple[str, ...], use, rounds: int, context: int = 260
-) -> dict[int, dict]:
-    """ms of one whole Qwen3-8B step (random bf16, graph replay, `context` keys per row) per row count and variant;
+def forwards_8b(row_counts: tuple[int, ...], variants: tuple[str, ...], use, rounds: int) -> dict[int, dict]:
+    """ms of one whole Qwen3-8B step (random bf16, graph replay, 260 keys per row) per row count and variant;
     `use(variant)` sets the route before the graphs are captured again; variants interleaved over `rounds`,
     the median kept."""
     from hsmc.engine.cuda_graphs import CUDAGraphs
 
     cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
-    width = context + 40
+    context, width = 260, 300
     tables = BlockTables(SlotAllocator(max(row_counts) * width, "cuda"), max(row_counts), width)
     model = random_model(cfg, torch.bfloat16, "cuda")
     runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
@@ -2149,7 +2147,7 @@ def check_blas_routes() -> None:
                 norm_fed = shape == "qwen3-32b" and name not in ("o", "down")
                 taller = [m + 8 * j for j in range(1, 5)] if norm_fed else []
                 x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)  # the taller inputs start with its rows
-                xs = {r: torch.cat([x, torch.randn(r - m, k, device=DEVICE, dtype=x.dtype)]) for r in [m, *taller]}
+                xs = {r: torch.cat([x, torch.randn(r - m, k, device=DEVICE, dtype=x.dtype)]) for r in taller}
                 res = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
                 fn = (lambda: [res.addmm_(x, w.t()) for w in ws]) if name in ("o", "down") else (
                     lambda: [F.linear(x, w) for w in ws])  # fmt: skip

@@ -46,12 +46,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     """RMSNorm of every row of x (contiguous rows), one program per row; into `out` ([rows, n], contiguous) if given."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
-    result = torch.empty_like(x2) if out is None else out
+    out = torch.empty_like(x2) if out is None else out
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, result, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device)
+        x2, weight, out, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device)
     )
-    return result.view(x.shape) if out is None else out
+    return out.view(x.shape)
 
 
 @triton.jit
