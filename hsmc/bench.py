@@ -242,7 +242,7 @@ def bench_stack(
     seed: int = 0,
 ) -> list[StackRow]:
     """Time a config's stack for every number of requests; steps are counted by the top level's forwards."""
-    device = decoder.stack.generator.device
+    device = decoder.stack.device
     vocab = level_modules(decoder)[-1].config.vocab_size
     weight_ms = [1000 * weight_bytes(m) / bandwidth for m in level_modules(decoder)]
     has_rejection = any(lc.kind == "rejection" for lc in decoder.stack.configs)
@@ -395,9 +395,9 @@ def config_for_bench(config: HsmcConfig, batches: list[int], prompt_tokens: int,
     needed = b * (prompt_tokens + rows_per_prompt * (new_tokens + lookahead)) + 64
     capacity = engine.resolved_kv_capacity  # "auto" too becomes what the runs need: the rest stays free for them
     capacity = needed if capacity == "auto" else max(capacity, needed)
-    engine = dataclasses.replace(
-        engine, max_batch_rows=max(engine.max_batch_rows, b * rows_per_prompt), kv_capacity_tokens=capacity
-    )
+    rows = engine.resolved_max_batch_rows
+    rows = b * rows_per_prompt if rows == "auto" else max(rows, b * rows_per_prompt)
+    engine = dataclasses.replace(engine, max_batch_rows=rows, kv_capacity_tokens=capacity)
     return dataclasses.replace(config, engine=engine)
 
 

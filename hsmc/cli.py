@@ -101,7 +101,27 @@ def _add_eval(sub: Any) -> None:
         task.set_defaults(run=_eval)
 
 
-SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_generate, _add_train_eagle, _add_bench, _add_eval)
+def _add_serve(sub: Any) -> None:
+    """`hsmc serve --config X [--host H] [--port P] ... [key=value ...]` (see hsmc/serve/)."""
+    cmd = sub.add_parser("serve", help="serve the config's stack over an OpenAI-compatible HTTP API")
+    cmd.add_argument("--config", required=True, help="YAML config (e.g. configs/demo.yaml)")
+    cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    cmd.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    cmd.add_argument(
+        "--max-queue", type=int, default=256, help="requests waiting for rows past which new ones get 429 (default 256)"
+    )
+    cmd.add_argument("--served-model-name", help="the model name clients send (default: the top level's model)")
+    cmd.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM / Ctrl-C, seconds running requests get to finish before they are cancelled (default 30)",
+    )
+    cmd.add_argument("overrides", nargs="*", help="config overrides, e.g. engine.max_batch_rows=64")
+    cmd.set_defaults(run=_serve)
+
+
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_generate, _add_train_eagle, _add_bench, _add_eval, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +198,26 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from hsmc.config import load_config
+    from hsmc.decoder import HierarchicalDecoder
+    from hsmc.errors import KVCapacityError
+    from hsmc.preflight import check_before_loading
+    from hsmc.serve.server import serve
+
+    if args.max_queue < 1 or args.shutdown_timeout < 0:
+        raise HsmcError("serve: --max-queue must be at least 1 and --shutdown-timeout at least 0")
+    cfg = load_config(args.config, [*args.overrides, "engine.warmup=true"])  # the KV budget leaves room for it
+    try:  # the levels' files and the stop strings, before minutes of loading
+        check_before_loading(cfg, [[0]])
+    except KVCapacityError as e:
+        raise KVCapacityError(f"serve: a one-token prompt with generation.max_new_tokens does not fit: {e}") from None
+    decoder = HierarchicalDecoder(cfg)
+    name = args.served_model_name or cfg.levels[-1].model
+    serve(decoder, name, args.host, args.port, args.max_queue, args.shutdown_timeout)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from hsmc.config import load_config
     from hsmc.decoder import GenerationInterrupted, HierarchicalDecoder
@@ -194,7 +234,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.stream:
             _print_stream(decoder, prompts, ids, args.json, results)
         else:
-            progress = _Progress(decoder, len(prompts), cfg.generation.max_new_tokens)
+            progress = _Progress(len(prompts), cfg.generation.max_new_tokens)
             with progress.bar:
                 results.update(
                     enumerate(decoder.generate(ids, on_finish=progress.on_finish, on_progress=progress.on_progress))
@@ -206,6 +246,8 @@ def _generate(args: argparse.Namespace) -> int:
         interrupted = KeyboardInterrupt(f"{len(results)} of {len(prompts)} prompts finished")
     else:
         interrupted = None
+    finally:
+        decoder.close()  # cancelled requests end and the decode loop stops before the process exits
     if args.json and not args.stream:
         for i, result in sorted(results.items()):
             print(json.dumps({"index": i, "prompt": prompts[i], **dataclasses.asdict(result)}))
@@ -219,28 +261,33 @@ def _generate(args: argparse.Namespace) -> int:
 def _print_stream(decoder: Any, prompts: list[Any], ids: list[list[int]], as_json: bool, results: dict) -> None:
     """Print each prompt's text as it settles, prompt after prompt (text of a later prompt that settles early
     waits for its turn); with `as_json` every increment as it comes, one JSON line each, the result on the
-    last. Finished prompts are collected in `results`, with the level stats of the run."""
+    last. Finished prompts are collected in `results`; the level stats of the run are added once all have ended."""
     waiting, shown = [""] * len(prompts), 0
     start = time.perf_counter()
     if not as_json:
         print(f"### {prompts[0]}", flush=True)
-    for increment in decoder.stream(ids):
-        i = increment.index
-        if increment.result is not None:
-            results[i] = increment.result
-            increment.result.stats["levels"] = decoder.level_stats(time.perf_counter() - start)
-        if as_json:
-            result = dataclasses.asdict(increment.result) if increment.result else None
-            print(json.dumps({"index": i, "text": increment.text, "token_ids": increment.token_ids, "result": result}))
-            continue
-        waiting[i] += increment.text
-        while shown < len(prompts):
-            print(waiting[shown], end="", flush=True)
-            waiting[shown] = ""
-            if shown not in results:
-                break
-            shown += 1
-            print("\n" + (f"\n### {prompts[shown]}" if shown < len(prompts) else ""), flush=True)
+    try:
+        for increment in decoder.stream(ids):
+            i = increment.index
+            if increment.result is not None:
+                results[i] = increment.result
+            if as_json:
+                result = dataclasses.asdict(increment.result) if increment.result else None
+                line = {"index": i, "text": increment.text, "token_ids": increment.token_ids, "result": result}
+                print(json.dumps(line))
+                continue
+            waiting[i] += increment.text
+            while shown < len(prompts):
+                print(waiting[shown], end="", flush=True)
+                waiting[shown] = ""
+                if shown not in results:
+                    break
+                shown += 1
+                print("\n" + (f"\n### {prompts[shown]}" if shown < len(prompts) else ""), flush=True)
+    finally:
+        levels = decoder.level_stats(time.perf_counter() - start)
+        for result in results.values():
+            result.stats["levels"] = levels
 
 
 def _read_prompts(args: argparse.Namespace, default: list[str]) -> list[Any]:
@@ -260,10 +307,10 @@ class _Progress:
 
     _LIVE_STATS = {"mean_accepted_length": "accepted", "mean_ess_fraction": "ess"}
 
-    def __init__(self, decoder: Any, num_prompts: int, max_new_tokens: int) -> None:
+    def __init__(self, num_prompts: int, max_new_tokens: int) -> None:
         from tqdm import tqdm
 
-        self.decoder, self.single = decoder, num_prompts == 1
+        self.single = num_prompts == 1
         total, unit = (max_new_tokens, "tok") if self.single else (num_prompts, "prompt")
         self.bar = tqdm(total=total, unit=unit, desc="tokens" if self.single else "prompts", file=sys.stderr)
 
@@ -271,17 +318,18 @@ class _Progress:
         if not self.single:
             self.bar.update()
 
-    def on_progress(self, generated: int) -> None:
-        if not self.single or generated <= self.bar.n:
+    def on_progress(self, increment: Any) -> None:
+        """The request's tokens so far and its own level statistics, as the decode loop read them."""
+        if not self.single or increment.generated <= self.bar.n:
             return
         live = {
             f"{self._LIVE_STATS[key]}{i}": f"{value:.2f}"
-            for i, level in enumerate(self.decoder.stack.levels)
-            for key, value in level.stats().items()
+            for i, level in enumerate(increment.levels)
+            for key, value in level.items()
             if key in self._LIVE_STATS
         }
         self.bar.set_postfix(live, refresh=False)
-        self.bar.update(generated - self.bar.n)
+        self.bar.update(increment.generated - self.bar.n)
 
 
 def _print_results(

@@ -52,7 +52,9 @@ class GenerationConfig:
 @dataclass
 class EngineConfig:
     device: str = "cpu"
-    max_batch_rows: int = 16
+    # rows decoded together (an smc request takes N): a number, or "auto" (as many as the GPU's memory holds with
+    # room for their requests' KV, at most 256; see hsmc/engine/kv_sizing.py); default: auto on cuda, 16 elsewhere
+    max_batch_rows: int | str | None = None
     # KV slots per model: a number, or "auto" (sized from the memory free after the weights, see
     # hsmc/engine/kv_sizing.py); default: auto on cuda, 4096 elsewhere
     kv_capacity_tokens: int | str | None = None
@@ -64,6 +66,9 @@ class EngineConfig:
     # most tokens one prefill forward runs (rows x tokens per row): longer prompts are prefilled in chunks, so
     # a batch of long prompts needs activations for this many tokens, not for all of them at once
     prefill_chunk_tokens: int = 8192
+    # capture every CUDA graph the config's batch shapes need before the first request (`hsmc serve` always does),
+    # so no request pays a capture; shapes first seen later run without a graph instead
+    warmup: bool = False
 
     @property
     def resolved_attention(self) -> str:
@@ -75,6 +80,14 @@ class EngineConfig:
         if self.kv_capacity_tokens is None:
             return "auto" if self.device.startswith("cuda") else 4096
         return self.kv_capacity_tokens
+
+    @property
+    def resolved_max_batch_rows(self) -> int | str:
+        """A number of rows, or "auto" (which only a CUDA device sizes: elsewhere it is 16)."""
+        rows = self.max_batch_rows
+        if rows is None or rows == "auto":
+            return "auto" if self.device.startswith("cuda") else 16
+        return rows
 
     @property
     def resolved_cuda_graphs(self) -> bool:
@@ -226,9 +239,12 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
     capacity = engine.resolved_kv_capacity
     if isinstance(capacity, str) and capacity != "auto":
         yield "engine.kv_capacity_tokens", f"={capacity!r} is neither a number of slots nor 'auto'"
+    rows = engine.resolved_max_batch_rows
+    if isinstance(rows, str) and rows != "auto":
+        yield "engine.max_batch_rows", f"={rows!r} is neither a number of rows nor 'auto'"
     for key, value in (
         ("generation.max_new_tokens", cfg.generation.max_new_tokens),
-        ("engine.max_batch_rows", cfg.engine.max_batch_rows),
+        ("engine.max_batch_rows", rows if isinstance(rows, int) else 1),
         ("engine.prefill_chunk_tokens", cfg.engine.prefill_chunk_tokens),
         ("engine.kv_capacity_tokens", capacity if isinstance(capacity, int) else 1),
     ):

@@ -1,71 +1,37 @@
 """`HierarchicalDecoder`: the Python entry point, built from a config.
 
-It loads the level stack and drives the top level with continuous batching: prompts join free rows
-between steps as the KV pools allow (`Admission`), finished ones leave. An `smc` top decodes groups of
-N particles per prompt; any other top steps all active rows at once.
-Both drivers hand out each request's output as it settles; `stream()` passes it on as increments
-and `generate()` collects the results.
+It loads the level stack and submits prompts to the stack's request driver (`hsmc.engine.driver`), which decodes
+them with continuous batching on its own thread; `stream()` passes each request's output on as it settles and
+`generate()` collects the results. Other threads may submit to the same driver (`decoder.driver`) at the same time,
+as `hsmc serve` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import queue
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
 from hsmc.config import GenerationConfig, HsmcConfig, level_label, load_config, validate
-from hsmc.engine.host_io import PendingRead, upload
+from hsmc.engine.driver import Defaults, RequestDriver
 from hsmc.engine.scheduler import Admission
+from hsmc.engine.tops import StepTop
 from hsmc.errors import ConfigError, ModelLoadError
-from hsmc.levels.smc import GroupResult
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
 from hsmc.preflight import check_stop_strings, prompt_token_ids
-from hsmc.stopping import StopCriteria
-from hsmc.streaming import RequestEvent, TextStream
+from hsmc.requests import Increment, Particle, Result, SamplingParams, SMCOutcome, derive_seed
 
-
-@dataclass
-class Particle:
-    token_ids: list[int]  # generated ids only
-    text: str
-    log_weight: float  # since the last resampling
-    finish_reason: str
-
-
-@dataclass
-class SMCOutcome:
-    """An smc top's whole particle system at the end of a request."""
-
-    particles: list[Particle]  # all N, the returned one at index `chosen`
-    chosen: int
-    log_z: float  # log Ẑ: Σ over resampling intervals (the last included) of logsumexp(logw) − log N
-    resamplings: int
-
-
-@dataclass
-class Result:
-    text: str
-    token_ids: list[int]  # generated ids only
-    finish_reason: str  # "stop" or "length"
-    stats: dict[str, Any]  # new_tokens, seconds (from the start to its last token), tokens_per_s; levels (generate)
-    smc: SMCOutcome | None = None  # set when the top level is smc
-
-
-@dataclass
-class Increment:
-    """Part of one request's output that can no longer change (a `stream()` item)."""
-
-    index: int  # the prompt's index
-    token_ids: list[int]  # tokens since the request's previous increment
-    text: str  # text since the previous increment; all of them joined are a prefix of the final text
-    result: Result | None = None  # set on the request's last increment
+__all__ = ["GenerationInterrupted", "HierarchicalDecoder", "Increment", "Particle", "Result", "SMCOutcome"]
+WARMUP_STEPS = 12  # steps of each warmup batch: its steady shapes make 8 of the last 16 rounds, and are captured
+WARMUP_PROMPTS = (8, 24, 64, 128, 256, 512, 1024)  # prompt lengths whose prefills the warmup runs once
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -87,30 +53,113 @@ class HierarchicalDecoder:
         except ModelLoadError as e:
             raise type(e)(f"{self._levels_using(e.source)}: {e}", e.source) from None
         self.tokenizer = self.stack.tokenizer
+        self._driver: RequestDriver | None = None
+        self._warm = False
+        if config.engine.warmup:
+            self.warmup()
 
     @classmethod
     def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HierarchicalDecoder:
         return cls(load_config(source, overrides))
 
+    @property
+    def driver(self) -> RequestDriver:
+        """The stack's request loop (started by the first submission)."""
+        if self._driver is None:
+            stack, gen = self.stack, self.config.generation
+            top = stack.top if stack.is_smc else StepTop(stack.top)
+            vocab = stack.top.state.runner.module.config.vocab_size
+            defaults = Defaults(
+                gen.max_new_tokens, stack.configs[-1].temperature, stack.rows_per_prompt, gen.ignore_eos,
+                tuple(gen.stop), stack.is_smc, vocab,
+            )  # fmt: skip
+            admission = Admission(stack.max_rows, stack.capacity, stack.lookahead, stack.rows_per_prompt)
+            eos, kinds = frozenset(stack.eos_token_ids), [c.kind for c in stack.configs]
+            self._driver = RequestDriver(
+                top, admission, defaults, eos, self.tokenizer, kinds, stack.assign, stack.clear
+            )
+        return self._driver
+
+    def kv_slots_in_use(self) -> int:
+        """KV slots held in the stack's pools (one read of the device): 0 once every request has ended."""
+        used = 0
+        for level in self.stack.levels:
+            tables = level.runner.tables if hasattr(level, "runner") else level.state.runner.tables
+            used = max(used, tables.allocator.num_slots - tables.allocator.num_free())
+        return used
+
+    def warmup(self, progress: bool = True) -> None:
+        """Capture the CUDA graphs of every batch the config can run before the first request, so that no request
+        pays a capture (`engine.warmup`, and `hsmc serve`): for 1, 2, ... up to as many requests as the rows hold,
+        a batch of that many short synthetic requests decodes until each of its shapes is captured (a forward's
+        graphs cover every row and context bucket of its width at once; a rejection round's or SMC cycle's are
+        captured once a shape makes 8 of the last 16). Then capturing stops: a shape first seen later (a context
+        past the first bucket, another mix of sampling laws) runs eagerly. Prefills of a few sizes run once, so that
+        their kernels are compiled too. Nothing to do without CUDA graphs."""
+        if self._warm or not self.config.engine.resolved_cuda_graphs:
+            return
+        self._warm = True
+        import torch
+        from tqdm import tqdm
+
+        stack = self.stack
+        top = stack.configs[-1]
+        per_step = {"smc": top.block_size + 1, "rejection": top.num_draft_tokens + 1}.get(top.kind, 1)
+        vocab = stack.top.state.runner.module.config.vocab_size
+        most = stack.max_rows // stack.rows_per_prompt
+        batches = [(n, 16, WARMUP_STEPS * per_step) for n in range(1, most + 1)]
+        # prefills of other sizes compile their kernels with one token each: Triton specializes on the shapes, and
+        # the attention plans (splits by occupancy) change where the row count crosses a power of two
+        counts = sorted({1, most, *(2**k + 1 for k in range(most.bit_length()) if 2**k + 1 <= most)})
+        batches += [(n, length, 1) for length in WARMUP_PROMPTS for n in counts]
+        fits = [(n, length, tokens) for n, length, tokens in batches if length + tokens < stack.capacity // n]
+        for n, length, tokens in tqdm(fits, desc="warmup: CUDA graphs", unit="batch", file=sys.stderr,
+                                      disable=not progress):  # fmt: skip
+            prompts = [[(7919 * (n + i) + 13 * j) % vocab for j in range(length)] for i in range(n)]
+            self.generate(prompts, params=SamplingParams(max_tokens=tokens, ignore_eos=True), seed=n)
+            torch.cuda.empty_cache()  # what a batch's eager runs cached goes back before the next captures
+        for graphs in self._graphs():
+            graphs.frozen = True
+        for level in stack.levels:
+            level.reset_stats()
+        gc.collect()
+        gc.freeze()  # what exists now (models, graphs) stays out of later collections: no long pause mid-request
+
+    def _graphs(self) -> list[Any]:
+        """Every graph set of the stack: each runner's forward graphs, the rounds' and the cycles' graphs."""
+        found = []
+        for level in self.stack.levels:
+            runner = level.runner if hasattr(level, "runner") else level.state.runner
+            found += [runner.graphs, getattr(level, "rounds", None), getattr(level, "cycle_graphs", None)]
+        return [g for g in found if g is not None]
+
+    def close(self, timeout: float = 0.0) -> None:
+        """Stop the request loop: running requests get `timeout` seconds to finish, then are cancelled."""
+        if self._driver is not None:
+            self._driver.shutdown(timeout)
+
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         on_finish: Callable[[int], None] | None = None,
-        on_progress: Callable[[int], None] | None = None,
+        on_progress: Callable[[Increment], None] | None = None,
         particles: int | Sequence[int] | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         **generation_overrides: Any,
     ) -> list[Result]:
         """Complete `prompts` (texts, chat-templated if configured, or token-id lists used as is).
 
-        `on_finish(i)` runs when prompt i is done; `on_progress(n)` whenever a row has n generated
-        tokens (a progress signal for a single prompt). `particles` (an smc top): N for every prompt or
-        per prompt, instead of the level's; requests with different N decode in one batch. Ctrl-C raises
+        `on_finish(i)` runs when prompt i is done; `on_progress(increment)` at every read of a request (its
+        `generated` tokens and live level statistics: a progress signal). `particles` (an smc top): N for every
+        prompt or per prompt; requests with different N decode in one batch. `params`: per-request sampling
+        parameters, for every prompt or one per prompt (unset fields come from the config and the overrides;
+        without a seed prompt i decodes with the stream `derive_seed(generation.seed, i)`). Ctrl-C raises
         `GenerationInterrupted` carrying the prompts that had finished.
         """
         by_index: dict[int, Result] = {}
         start = time.perf_counter()
         try:
-            for increment in self.stream(prompts, on_progress, particles, **generation_overrides):
+            for increment in self.stream(prompts, on_progress, particles, params, **generation_overrides):
                 if increment.result is not None:
                     by_index[increment.index] = increment.result
                     if on_finish:
@@ -127,140 +176,79 @@ class HierarchicalDecoder:
             r.stats["levels"] = level_stats
         return results
 
-    @torch.inference_mode()
     def stream(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
-        on_progress: Callable[[int], None] | None = None,
+        on_progress: Callable[[Increment], None] | None = None,
         particles: int | Sequence[int] | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         **generation_overrides: Any,
     ) -> Iterator[Increment]:
         """Complete `prompts` like `generate`, yielding each request's output as it settles: for a model or
-        rejection top the tokens it commits, for an smc top the consensus prefix of its particles."""
+        rejection top the tokens it commits, for an smc top the consensus prefix of its particles. Closing the
+        iterator early cancels the requests still running."""
         gen = self._generation_config(generation_overrides)
         ids = prompt_token_ids(self.tokenizer, prompts, gen.chat_template)
-        counts = self._particles(particles, len(ids))
         check_stop_strings(gen, self.tokenizer)
-        eos = frozenset() if gen.ignore_eos else frozenset(self.stack.eos_token_ids)
-        stop = StopCriteria(eos, tuple(gen.stop), self.tokenizer, on_check=on_progress)
-        self.stack.generator.manual_seed(gen.seed)
-        for level in self.stack.levels:
-            level.reset_stats()
-        engine = self.config.engine
-        admission = Admission(
-            [len(i) for i in ids],
-            gen.max_new_tokens,
-            engine.max_batch_rows,
-            self.stack.capacity,
-            counts,
-            self.stack.lookahead,
-        )
-        start = time.perf_counter()
-        if self.stack.is_smc:
-            events = self.stack.top.run(ids, admission, gen.max_new_tokens, stop, counts)
-        else:
-            events = self._stream_rows(ids, admission, gen.max_new_tokens, stop)
-        tokens: list[list[int]] = [[] for _ in ids]
-        texts = [TextStream(self.tokenizer, stop) for _ in ids]
-        for event in events:
-            j = event.index
-            tokens[j] += event.tokens
-            if event.finish_reason is None:
-                yield Increment(j, event.tokens, texts[j].update(tokens[j]))
-                continue
-            text = texts[j].finish(tokens[j])
-            seconds = time.perf_counter() - start
-            stats = {"new_tokens": len(tokens[j]), "seconds": seconds, "tokens_per_s": len(tokens[j]) / seconds}
-            result = Result(texts[j].emitted, tokens[j], event.finish_reason, stats)
-            if event.smc is not None:
-                result.smc = self._smc_outcome(event.smc, texts[j])
-            yield Increment(j, event.tokens, text, result)
+        requests = self._request_params(gen, len(ids), particles, params)
+        driver = self.driver
+        rows = [p.particles or self.stack.rows_per_prompt for p in requests]
+        driver.admission.check([len(i) for i in ids], [p.max_tokens for p in requests], rows)
+        if driver.quiesce():  # statistics of this call alone (another thread's requests would share them)
+            for level in self.stack.levels:
+                level.reset_stats()
+        out: queue.SimpleQueue[Increment] = queue.SimpleQueue()
+        request_ids = driver.submit(ids, requests, out.put, indices=range(len(ids)))
+        remaining = len(ids)
+        try:
+            while remaining:
+                increment = _next(out)
+                if increment.error is not None:
+                    raise increment.error
+                if on_progress is not None:
+                    on_progress(increment)
+                if increment.result is not None:
+                    remaining -= 1
+                if increment.token_ids or increment.result is not None:
+                    yield increment
+        finally:
+            if remaining:
+                driver.cancel(request_ids)
 
-    def _particles(self, particles: int | Sequence[int] | None, prompts: int) -> list[int]:
-        """Rows per prompt: N per prompt for an smc top (`particles`, or the level's), else 1."""
+    def _request_params(
+        self,
+        gen: GenerationConfig,
+        prompts: int,
+        particles: int | Sequence[int] | None,
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[SamplingParams]:
+        """One SamplingParams per prompt: `params` (or the defaults) completed from the generation config."""
+        given = [params or SamplingParams()] * prompts if not isinstance(params, Sequence) else list(params)
+        if len(given) != prompts:
+            raise ConfigError(f"params: one SamplingParams, or one per prompt ({prompts}), got {len(given)}")
+        counts = self._particles(particles, prompts)
+        return [
+            dataclasses.replace(
+                p,
+                max_tokens=p.max_tokens if p.max_tokens is not None else gen.max_new_tokens,
+                stop=p.stop if p.stop is not None else tuple(gen.stop),
+                seed=p.seed if p.seed is not None else derive_seed(gen.seed, i),
+                particles=p.particles if counts[i] is None else counts[i],
+                ignore_eos=p.ignore_eos or gen.ignore_eos,
+            )
+            for i, p in enumerate(given)
+        ]
+
+    def _particles(self, particles: int | Sequence[int] | None, prompts: int) -> list[int | None]:
+        """N per prompt for an smc top (`particles`), or None: the level's."""
         if particles is None:
-            return [self.stack.rows_per_prompt] * prompts
+            return [None] * prompts
         if not self.stack.is_smc:
             raise ConfigError(f"particles={particles!r}: only an smc top level has particles")
         counts = [particles] * prompts if isinstance(particles, int) else list(particles)
         if len(counts) != prompts or not all(isinstance(n, int) and n >= 1 for n in counts):
             raise ConfigError(f"particles={particles!r}: one int >= 1, or one per prompt ({prompts})")
         return counts
-
-    @staticmethod
-    def _smc_outcome(group: GroupResult, text: TextStream) -> SMCOutcome:
-        particles = [
-            Particle(tokens, text.final_text(tokens), weight, reason)
-            for tokens, weight, reason in zip(group.particles, group.log_weights, group.finish_reasons)
-        ]
-        return SMCOutcome(particles, group.chosen, group.log_z, group.resamplings)
-
-    def _stream_rows(
-        self, prompts: list[list[int]], admission: Admission, max_new_tokens: int, stop: StopCriteria
-    ) -> Iterator[RequestEvent]:
-        """Decode rows from a non-SMC top level: each step runs one round for every active row and hands over
-        all the tokens it produced; between steps, waiting prompts are prefilled into free rows (continuous
-        batching). The host reads a step's tokens (one copy) while the next step already runs, so stop checks
-        overlap with the GPU; a finished row is released one step later and its extra step's tokens dropped."""
-        top = self.stack.top
-        device = top.state.seq.device
-        generated: dict[int, list[int]] = {}
-        lengths: dict[int, int] = {}  # each active prompt's sequence length on the device, as far as read
-        row_of: dict[int, int] = {}  # active prompt -> its row
-        in_flight: tuple[list[int], PendingRead] | None = None
-        try:
-            while admission.busy or in_flight:
-                if admitted := admission.admit():
-                    if not row_of:  # no row holds anything: bounds left by earlier rows must not widen forwards
-                        top.set_len_bound(0)
-                    new_rows = upload(torch.tensor([row for _, row in admitted]), device)
-                    top.load_prompts(new_rows, [prompts[i] for i, _ in admitted])  # the bound covers them now
-                    for i, row in admitted:
-                        row_of[i], generated[i], lengths[i] = row, [], len(prompts[i])
-                    top.prefill(new_rows)
-                launched = None
-                if row_of:
-                    stepped = list(row_of)
-                    emission = top.step(upload(torch.tensor([row_of[i] for i in stepped]), device))
-                    launched = (stepped, PendingRead(torch.cat([emission.tokens, emission.count[:, None]], 1)))
-                if in_flight is not None:
-                    events = self._take_step(*in_flight, generated, lengths, max_new_tokens, stop)
-                    done = [e.index for e in events if e.finish_reason is not None]
-                    if done:
-                        top.release(upload(torch.tensor([row_of.pop(i) for i in done]), device))
-                        for i in done:
-                            admission.finish(i)
-                    if row_of:
-                        top.set_len_bound(max(lengths[i] for i in row_of) + top.step_growth)
-                    yield from events
-                in_flight = launched
-        finally:
-            if row_of:
-                top.release(upload(torch.tensor(list(row_of.values())), device))
-
-    @staticmethod
-    def _take_step(
-        stepped: list[int],
-        read: PendingRead,
-        generated: dict[int, list[int]],
-        lengths: dict[int, int],
-        max_new_tokens: int,
-        stop: StopCriteria,
-    ) -> list[RequestEvent]:
-        """Apply one step's tokens (row j of the read belongs to prompt stepped[j]; a prompt no longer in
-        `lengths` finished at an earlier step and this was its extra step)."""
-        events = []
-        for i, values in zip(stepped, read.result()):
-            if i not in lengths:
-                continue
-            count = values[-1]
-            lengths[i] += count
-            before = len(generated[i])
-            reason = stop.append(generated[i], values[:count], max_new_tokens)
-            if reason is not None:
-                del lengths[i]
-            events.append(RequestEvent(i, generated[i][before:], reason))
-        return events
 
     def _levels_using(self, source: str | None) -> str:
         """`levels[1] (rejection), levels[2] (smc)`: the levels whose model is `source`. Errors without a
@@ -291,3 +279,12 @@ class HierarchicalDecoder:
         gen = dataclasses.replace(self.config.generation, **overrides)
         validate(dataclasses.replace(self.config, generation=gen), "generate()")
         return gen
+
+
+def _next(out: queue.SimpleQueue[Increment]) -> Increment:
+    """The next increment, waiting in short slices so that Ctrl-C reaches the caller at once."""
+    while True:
+        try:
+            return out.get(timeout=0.1)
+        except queue.Empty:
+            continue

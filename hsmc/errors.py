@@ -41,3 +41,15 @@ class KVCapacityError(HsmcError, RuntimeError):
 
 class PromptError(HsmcError, ValueError):
     """A prompt cannot be decoded (empty, text without a tokenizer, too long)."""
+
+
+class RequestError(HsmcError, ValueError):
+    """A request's parameters or prompt cannot be served; `field` names the parameter at fault (the server's 400)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class RequestCancelled(HsmcError):
+    """The request was cancelled (by its caller, a disconnected client, or a shutdown) before it finished."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hsmc.config import GenerationConfig, HsmcConfig, LevelConfig, level_label
-from hsmc.engine.kv_sizing import GIB, free_memory, stack_capacity
+from hsmc.engine.kv_sizing import GIB, free_memory, stack_capacity, with_rows
 from hsmc.engine.scheduler import Admission, rows_and_lookahead
 from hsmc.errors import ConfigError, ModelLoadError, PromptError
 from hsmc.models.config import DecoderConfig
@@ -32,7 +32,7 @@ from hsmc.models.loading import (
     resolve_folder,
     safetensors_files,
 )
-from hsmc.models.shapes import random_shape, weight_bytes
+from hsmc.models.shapes import SHAPES, hf_config, random_shape, weight_bytes
 from hsmc.models.tokenizer import encode_prompt, load_tokenizer
 from hsmc.models.weight_loader import fp8_format
 from hsmc.ops.fp8_linear import QWEN_BLOCK, layer_linears, swap_for_fp8
@@ -52,45 +52,49 @@ def check_before_loading(cfg: HsmcConfig, prompts: Sequence[Prompt]) -> list[lis
     check_stop_strings(cfg.generation, tokenizer)
     ids = prompt_token_ids(tokenizer, prompts, cfg.generation.chat_template)
     rows, lookahead = rows_and_lookahead(cfg)
-    engine = cfg.engine
-    Admission(  # raises, naming the first prompt that could never fit
-        [len(p) for p in ids],
-        cfg.generation.max_new_tokens,
-        engine.max_batch_rows,
-        estimated_kv_capacity(cfg),
-        rows,
-        lookahead,
-    )
+    cfg, capacity = estimated_sizes(cfg)
+    admission = Admission(cfg.engine.max_batch_rows, capacity, lookahead)
+    admission.check([len(p) for p in ids], [cfg.generation.max_new_tokens] * len(ids), [rows] * len(ids))
     return ids
 
 
-def estimated_kv_capacity(cfg: HsmcConfig) -> int:
-    """engine.kv_capacity_tokens, or for "auto" the slots left beside the weights as the configs size them
-    (models built on the meta device: shapes and dtypes, no data), from the memory free now."""
-    capacity = cfg.engine.resolved_kv_capacity
-    if isinstance(capacity, int):
-        return capacity
+def estimated_sizes(cfg: HsmcConfig) -> tuple[HsmcConfig, int]:
+    """`cfg` with its rows a number (`with_rows`) and the KV slots: engine.kv_capacity_tokens, or for "auto" the
+    slots left beside the weights as the configs size them (models built on the meta device: shapes and dtypes,
+    no data), from the memory free now."""
+    rows, capacity = cfg.engine.resolved_max_batch_rows, cfg.engine.resolved_kv_capacity
+    if isinstance(capacity, int) and isinstance(rows, int):
+        return with_rows(cfg, [], 0), capacity
     weights: dict[tuple[str, str, int | None], int] = {}  # levels naming the same model share its weights
     modules = [_meta_module(level) for level in cfg.levels]
     for level, module in zip(cfg.levels, modules):
         weights[(level.model, level.dtype, level.num_layers)] = weight_bytes(module)
     total = sum(weights.values())
     free = free_memory(torch.device(cfg.engine.device)) - total
-    return stack_capacity(cfg, modules, free, f"estimated free after {total / GIB:.1f} GiB of weights")
+    cfg = with_rows(cfg, modules, free)
+    if isinstance(capacity, int):
+        return cfg, capacity
+    return cfg, stack_capacity(cfg, modules, free, f"estimated free after {total / GIB:.1f} GiB of weights")
 
 
 def _meta_module(level: LevelConfig) -> torch.nn.Module:
     """The level's model (or EAGLE3 head) on the meta device, with FP8 Linears where it will have them."""
+    shape = random_shape(level.model)  # random weights of a named shape (for an eagle3 level: its verifier's)
     if level.kind == "eagle3":
-        from hsmc.eagle.checkpoint import head_from_config, read_head_config
+        from hsmc.eagle.checkpoint import head_from_config, new_head_config, read_head_config
 
-        return head_from_config(read_head_config(resolve_folder(level.model, weights=False))).to(DTYPES[level.dtype])
+        if shape is not None:
+            config = new_head_config(SHAPES[shape], min(32000, SHAPES[shape]["vocab_size"]))
+        else:
+            config = read_head_config(resolve_folder(level.model, weights=False))
+        return head_from_config(config).to(DTYPES[level.dtype])
     config = _decoder_config(level.model)
     if level.num_layers is not None:
         config = dataclasses.replace(config, num_layers=level.num_layers)
     with torch.device("meta"):
         model = DecoderLM(config).to(COMPUTE_DTYPES[level.dtype])
-    fmt = None if level.model.endswith(".gguf") else fp8_format(resolve_folder(level.model, weights=False))
+    local = shape is None and not level.model.endswith(".gguf")
+    fmt = fp8_format(resolve_folder(level.model, weights=False)) if local else None
     block = fmt.block if fmt is not None else (QWEN_BLOCK if level.dtype == "fp8" else None)
     if block is not None:
         for name in layer_linears(model):
@@ -133,6 +137,8 @@ def _check_level(level: LevelConfig) -> None:
 
 
 def _decoder_config(source: str) -> DecoderConfig:
+    if (shape := random_shape(source)) is not None:  # random weights of a named shape
+        return DecoderConfig.from_hf(hf_config(shape))
     if source.endswith(".gguf"):
         return read_gguf_config(Path(source))
     folder = resolve_folder(source, weights=False)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -14,9 +11,6 @@ class StopCriteria:
     token_ids: frozenset[int]
     strings: tuple[str, ...] = ()
     tokenizer: Any | None = None
-    # sees len(generated) at every check: the decode loops check each row's new tokens here, so
-    # this is their progress signal (a single prompt's progress bar)
-    on_check: Callable[[int], None] | None = None
 
     def first_stop(self, generated: list[int], start: int) -> int | None:
         """Smallest length L > start at which generated[:L] has stopped, or None.
@@ -24,8 +18,6 @@ class StopCriteria:
         Stop strings are searched in the decoded tail around each new token (a window long
         enough for the longest string), so a check costs O(new tokens), not O(text).
         """
-        if self.on_check:
-            self.on_check(len(generated))
         window = 4 * max((len(s) for s in self.strings), default=0) + 8
         for length in range(start + 1, len(generated) + 1):
             if generated[length - 1] in self.token_ids:
@@ -52,19 +44,3 @@ class StopCriteria:
         """The text up to (not including) the first stop string."""
         cut = min((i for i in (text.find(s) for s in self.strings) if i >= 0), default=len(text))
         return text[:cut]
-
-
-def output_ends(
-    tokens: torch.Tensor, generated: torch.Tensor, stop_ids: torch.Tensor, max_new_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`StopCriteria.append` without stop strings, on the device: of each row's new tokens [R, W], how many
-    belong to the output (up to and including the first stop token, within max_new_tokens given `generated`
-    [R] so far), and whether the output ends with them: (kept int64 [R], ends bool [R])."""
-    width = tokens.shape[1]
-    room = (max_new_tokens - generated).clamp(0, width)
-    positions = torch.arange(width, device=tokens.device)
-    stops = torch.isin(tokens, stop_ids) & (positions[None, :] < room[:, None])
-    first = torch.where(stops, positions[None, :], width).amin(-1)
-    stopped = first < width
-    kept = torch.where(stopped, first + 1, room)
-    return kept, stopped | (generated + kept >= max_new_tokens)

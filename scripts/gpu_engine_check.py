@@ -80,6 +80,7 @@ import argparse
 import functools
 import gc
 import json
+import math
 import os
 import random
 import sys
@@ -251,14 +252,20 @@ def check_vocab() -> None:
     import triton
     from scipy.stats import chisquare
 
-    from hsmc.engine.sampler import gumbel_max_reference
+    from hsmc.engine.random_streams import combine
+    from hsmc.engine.sampler import draw
     from hsmc.ops.vocab import gumbel_max, logsumexp_rows
 
     say("== vocabulary kernels: Gumbel-max draws and float64 log-sum-exps over 151,936 logits ==")
     vocab, n, temperature = 151936, 200_000, 0.8
     gen = torch.Generator("cuda").manual_seed(0)
     row = (torch.randn(vocab, device="cuda", generator=gen) * 2.5).to(torch.bfloat16)
-    tokens, logprobs = gumbel_max(row.expand(n, -1), temperature, torch.tensor([11], device="cuda"))
+
+    def per_row(value: float, rows: int, dtype=torch.float32) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=dtype, device="cuda")
+
+    keys = combine(torch.tensor(11, device="cuda"), torch.arange(n, device="cuda"))
+    tokens, logprobs = gumbel_max(row.expand(n, -1), per_row(1 / temperature, n), per_row(-math.inf, n), keys)
     probs = torch.softmax(row.double() / temperature, -1)
     top = probs.topk(20).indices
     bins = torch.full((vocab,), 20, dtype=torch.int64, device="cuda")
@@ -268,16 +275,19 @@ def check_vocab() -> None:
     pvalue = chisquare(observed.numpy(), expected.numpy()).pvalue
     lp_err = (logprobs.double() - torch.log_softmax(row.double() / temperature, -1)[tokens]).abs().max().item()
     logits = torch.randn(72, vocab, device="cuda", generator=gen).to(torch.bfloat16) * 3
-    lse_err = (logsumexp_rows(logits, 1 / 0.7) - torch.logsumexp(logits.double() / 0.7, -1)).abs().max().item()
+    lse = logsumexp_rows(logits, per_row(1 / 0.7, 72, torch.float64), per_row(-math.inf, 72))
+    lse_err = (lse - torch.logsumexp(logits.double() / 0.7, -1)).abs().max().item()
     eight = logits[:8]
-    seed = torch.tensor([3], device="cuda")
-    draw_ms = triton.testing.do_bench(lambda: gumbel_max(eight, 1.0, seed), return_mode="median")
-    torch_ms = triton.testing.do_bench(lambda: gumbel_max_reference(eight, 1.0, gen), return_mode="median")
-    lse_ms = triton.testing.do_bench(lambda: logsumexp_rows(logits, 1.0), return_mode="median")
+    one, none, eight_keys = per_row(1.0, 8), per_row(-math.inf, 8), keys[:8]
+    draw_ms = triton.testing.do_bench(lambda: gumbel_max(eight, one, none, eight_keys), return_mode="median")
+    torch_ms = triton.testing.do_bench(lambda: draw(eight.cpu(), one.cpu(), none.cpu(), eight_keys.cpu()),
+                                       return_mode="median")  # fmt: skip
+    ones64, none72 = per_row(1.0, 72, torch.float64), per_row(-math.inf, 72)
+    lse_ms = triton.testing.do_bench(lambda: logsumexp_rows(logits, ones64, none72), return_mode="median")
     lse_torch_ms = triton.testing.do_bench(lambda: torch.logsumexp(logits.double(), -1), return_mode="median")
     say(f"{n} draws at T={temperature}: chi-square p = {pvalue:.3f} (20 likeliest tokens + rest); max |log-prob "
         f"error| {lp_err:.1e}; float64 log-sum-exp of 72 rows: max |error| {lse_err:.1e}")  # fmt: skip
-    say(f"one draw for 8 rows: kernels {draw_ms * 1e3:.1f} us, torch route {torch_ms * 1e3:.1f} us; logsumexp of "
+    say(f"one draw for 8 rows: kernels {draw_ms * 1e3:.1f} us, torch route (CPU) {torch_ms * 1e3:.1f} us; logsumexp of "
         f"72 rows: kernels {lse_ms * 1e3:.1f} us, torch float64 {lse_torch_ms * 1e3:.1f} us (eager)")  # fmt: skip
     results["vocab"] = {
         "chi2_p": pvalue,

@@ -9,6 +9,8 @@ difference of two runs that differ only in the number of steps.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -36,6 +38,7 @@ class HostReadCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
         self._converting = False
+        self._thread = threading.get_ident()  # the Tensor methods are patched for every thread: count this one's
         self._methods = {name: getattr(torch.Tensor, name) for name in self.CONVERSIONS}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -44,6 +47,7 @@ class HostReadCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
+        self._thread = threading.get_ident()
         for name, method in self._methods.items():
             setattr(torch.Tensor, name, self._counted(method))
         return super().__enter__()
@@ -55,7 +59,7 @@ class HostReadCounter(TorchDispatchMode):
 
     def _counted(self, method):
         def counted(tensor, *args):
-            if self._converting:
+            if self._converting or threading.get_ident() != self._thread:
                 return method(tensor, *args)
             self.count += 1
             self._converting = True
@@ -65,6 +69,26 @@ class HostReadCounter(TorchDispatchMode):
                 self._converting = False
 
         return counted
+
+
+def counted_generate(decoder: HierarchicalDecoder, prompts, **overrides) -> int:
+    """Host reads of the decode loop during one generate(): the counter runs on the loop's own thread (a dispatch
+    mode is per thread), around each of its iterations."""
+    counter = HostReadCounter()
+    driver = decoder.driver
+    iterate = driver._iterate
+
+    def counted() -> None:
+        with counter:
+            iterate()
+
+    driver._iterate = counted
+    try:
+        decoder.generate(prompts, **overrides)
+        driver.quiesce()  # the launch the loop ran past the last request's end is read too
+    finally:
+        del driver._iterate
+    return counter.count
 
 
 def reads_and_steps(decoder: HierarchicalDecoder, prompts, new_tokens: int) -> tuple[int, int]:
@@ -80,11 +104,10 @@ def reads_and_steps(decoder: HierarchicalDecoder, prompts, new_tokens: int) -> t
 
     top.step = counted_step
     try:
-        with HostReadCounter() as counter:
-            decoder.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+        reads = counted_generate(decoder, prompts, max_new_tokens=new_tokens, ignore_eos=True)
     finally:
         del top.step
-    return counter.count, steps
+    return reads, steps
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +236,8 @@ def test_smc_top_reads_once_per_cycle(smc_models, name):
     top = decoder.stack.top
     counts = []
     for new_tokens in (9, 41):
-        with HostReadCounter() as counter:
-            decoder.generate(PROMPTS, max_new_tokens=new_tokens, ignore_eos=True, stop=stop)
-        counts.append((counter.count, top.cycles, top.resamples))
+        reads = counted_generate(decoder, PROMPTS, max_new_tokens=new_tokens, ignore_eos=True, stop=stop)
+        counts.append((reads, top.cycles, top.resamples))
     (short_reads, short_cycles, _), (long_reads, long_cycles, long_resamples) = counts
     print(f"{name}: {long_reads} reads in {long_cycles} cycles, {short_reads} in {short_cycles}")
     assert long_cycles > short_cycles and long_resamples > 0

@@ -248,31 +248,53 @@ def test_errors_on_misuse():
 def test_admission_reserves_rows_and_slots_first_come_first_served():
     from hsmc.engine.scheduler import Admission
 
+    def queued(a: Admission, lengths: list[int], max_tokens: int, rows: list[int] | None = None) -> Admission:
+        for i, n in enumerate(lengths):
+            a.add(i, n, max_tokens, 1 if rows is None else rows[i])
+        return a
+
     # rows: two row groups; a third prompt joins when one of them finishes
-    a = Admission([3, 3, 3], 4, max_rows=2, capacity=64)
+    a = queued(Admission(max_rows=2, capacity=64, lookahead=0), [3, 3, 3], 4)
     assert a.admit() == [(0, 0), (1, 1)] and a.admit() == []
     a.finish(1)
     assert a.admit() == [(2, 1)]
     a.finish(0), a.finish(2)
-    assert not a.busy and a.free_slots == 64
+    assert a.running == 0 and not a.waiting and a.free_slots == 64
     # slots for the whole request: 10+6 + 20+6 = 42 <= 45; 5+6 more would be 53
-    a = Admission([10, 20, 5], 6, max_rows=8, capacity=45)
+    a = queued(Admission(max_rows=8, capacity=45, lookahead=0), [10, 20, 5], 6)
     assert a.admit() == [(0, 0), (1, 1)]
     a.finish(0)
     assert a.admit() == [(2, 0)]
     # in order: prompt 1 (41 slots) does not fit beside prompt 0 (31) and holds back prompt 2 (3)
-    a = Admission([30, 40, 2], 1, max_rows=8, capacity=60)
+    a = queued(Admission(max_rows=8, capacity=60, lookahead=0), [30, 40, 2], 1)
     assert a.admit() == [(0, 0)]
     a.finish(0)
     assert a.admit() == [(1, 0), (2, 1)]
+    # a waiting request that is withdrawn no longer holds the others back
+    a = queued(Admission(max_rows=8, capacity=60, lookahead=0), [30, 40, 2], 1)
+    assert a.admit() == [(0, 0)]
+    a.finish(1)
+    assert a.admit() == [(2, 1)]
     # an SMC request takes N consecutive rows: 10 rows hold two groups of 4
-    a = Admission([3, 3, 3], 4, max_rows=10, capacity=200, rows_per_prompt=4)
-    assert a.admit() == [(0, 0), (1, 1)]
+    a = queued(Admission(max_rows=10, capacity=200, lookahead=0, default_group=4), [3, 3, 3], 4, [4, 4, 4])
+    assert a.admit() == [(0, 0), (1, 1)] and a.group_size == 4
     # different N per request: groups of the largest N's rows, slots by each request's own N (3+1*4, 3+3*4, 3+2*4)
-    a = Admission([3, 3, 3], 4, max_rows=6, capacity=200, rows_per_prompt=[1, 3, 2])
-    assert a.needs == [7, 15, 11] and a.admit() == [(0, 0), (1, 1)]
+    a = queued(Admission(max_rows=6, capacity=200, lookahead=0), [3, 3, 3], 4, [1, 3, 2])
+    assert [a.needs[i] for i in range(3)] == [7, 15, 11] and a.admit() == [(0, 0), (1, 1)] and a.group_size == 3
+    # a request wanting more rows than the running groups have waits until nothing runs, then regroups
+    a = queued(Admission(max_rows=8, capacity=200, lookahead=0, default_group=2), [3], 4, [2])
+    assert a.admit() == [(0, 0)]
+    a.add(1, 3, 4, 4)
+    assert a.admit() == [] and a.group_size == 2
+    a.finish(0)
+    assert a.admit() == [(1, 0)] and a.group_size == 4
+    # the problem of a request that could never fit, lookahead included
+    a = Admission(max_rows=8, capacity=64, lookahead=1)
+    assert a.problem(3, 20, 1) is None
+    assert "it needs 71 KV slots, more than engine.kv_capacity_tokens=64" in a.problem(50, 20, 1)
+    assert "max_batch_rows=8" in a.problem(3, 1, 9)
     with pytest.raises(KVCapacityError, match="prompt 1 has 50 tokens"):
-        Admission([3, 50], 20, max_rows=8, capacity=64)
+        a.check([3, 50], [20, 20], [1, 1])
 
 
 def test_generation_never_runs_out_of_slots_with_one_long_prompt(tmp_path):

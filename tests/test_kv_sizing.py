@@ -57,6 +57,9 @@ def test_reserve_holds_the_widest_forwards_logits():
     # with CUDA graphs the graphs' pool holds a round's 4 copies of 5 positions or a cycle's 2 of 9: the larger
     graphed = load_config({"levels": levels, "engine": {"max_batch_rows": 128, "device": "cuda"}})
     assert reserve_bytes(graphed, 151936) == RESERVE_BYTES + (4 * 9 + 4 * 5) * 128 * 151936 * 4
+    # a warmup captures every batch size's cycles: ten copies of the widest block's logits more
+    warm = load_config({"levels": levels, "engine": {"max_batch_rows": 128, "device": "cuda", "warmup": True}})
+    assert reserve_bytes(warm, 151936) == RESERVE_BYTES + (4 * 9 + 4 * 5 + 10 * 9) * 128 * 151936 * 4
     levels[1]["num_draft_tokens"] = 1
     graphed = load_config({"levels": levels, "engine": {"max_batch_rows": 128, "device": "cuda"}})
     assert reserve_bytes(graphed, 151936) == RESERVE_BYTES + (4 * 9 + 2 * 9) * 128 * 151936 * 4
@@ -87,8 +90,8 @@ def test_a_larger_prefill_chunk_reserves_its_activations(tiny, monkeypatch):
     small, large = config(tiny, prefill_chunk_tokens=1024), config(tiny, prefill_chunk_tokens=1024 + 256)
     free_after_weights = -(-(900 * per_token + tiny_reserve(small)) // (1 - MARGIN))
     monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: free_after_weights + stack_weights(tiny))
-    assert hsmc.preflight.estimated_kv_capacity(small) == 900
-    assert hsmc.preflight.estimated_kv_capacity(large) == 900 - -(-256 * 672 * 4 // per_token)
+    assert hsmc.preflight.estimated_sizes(small)[1] == 900
+    assert hsmc.preflight.estimated_sizes(large)[1] == 900 - -(-256 * 672 * 4 // per_token)
 
 
 def stack_weights(tiny) -> int:
@@ -107,7 +110,7 @@ def test_auto_pools_hold_what_the_free_memory_holds_and_preflight_predicts_it(ti
     weights = stack_weights(tiny)
     monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: free_after_weights + weights)
     monkeypatch.setattr(hsmc.levels.stack, "free_memory", lambda device: free_after_weights)
-    assert hsmc.preflight.estimated_kv_capacity(cfg) == slots  # from the configs alone: nothing loaded
+    assert hsmc.preflight.estimated_sizes(cfg)[1] == slots  # from the configs alone: nothing loaded
     decoder = HierarchicalDecoder(cfg)
     assert decoder.stack.capacity == slots
     assert [level.state.runner.cache.num_slots for level in decoder.stack.levels] == [slots, slots]
@@ -115,7 +118,7 @@ def test_auto_pools_hold_what_the_free_memory_holds_and_preflight_predicts_it(ti
     prompts = [[5, 6, 7], [9, 10]]
     assert [r.token_ids for r in decoder.generate(prompts)] == [r.token_ids for r in explicit.generate(prompts)]
     monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: 100 * free_after_weights + weights)
-    assert hsmc.preflight.estimated_kv_capacity(cfg) == 4 * 256  # every row at the models' longest context
+    assert hsmc.preflight.estimated_sizes(cfg)[1] == 4 * 256  # every row at the models' longest context
 
 
 def test_too_little_memory_fails_before_loading_and_names_the_numbers(tiny, monkeypatch):
@@ -184,9 +187,9 @@ def test_headline_stack_memory_by_the_preflight_estimate(tmp_path, monkeypatch, 
     monkeypatch.setattr(hsmc.preflight, "free_memory", lambda device: int(free_gib * GIB))
     if not fits:
         with pytest.raises(KVCapacityError, match="2.0 GiB estimated free after 77.0 GiB of weights"):
-            hsmc.preflight.estimated_kv_capacity(cfg)
+            hsmc.preflight.estimated_sizes(cfg)[1]
         return
-    slots = hsmc.preflight.estimated_kv_capacity(cfg)
+    slots = hsmc.preflight.estimated_sizes(cfg)[1]
     wave = 8 * (6 * (1024 + 22) + 2048)  # 48 rows: 8 prompts of 2048 tokens x 6 particles x (1024 new + lookahead)
     assert slots >= wave, slots
 
@@ -204,3 +207,43 @@ def test_auto_on_a_machine_without_cuda_is_one_config_error(tiny, tmp_path, caps
     assert main(["generate", "--config", str(path), "--prompts-file", str(prompts)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["hsmc: error: engine.device='cuda' but no CUDA device is available"]
+
+
+def test_auto_rows_are_the_most_whose_requests_fit_and_the_cpu_keeps_sixteen():
+    """engine.max_batch_rows: auto (the CUDA default): the largest power of two <= 256 whose logits reserve and KV
+    for every row's request (a 512-token prompt, max_new_tokens on each of its N rows) fit the free memory."""
+    from hsmc.engine.kv_sizing import AUTO_ROWS, MARGIN, PROMPT_TOKENS, _sizes, with_rows
+    from hsmc.engine.scheduler import rows_and_lookahead
+    from hsmc.models.shapes import random_shape
+    from hsmc.preflight import _meta_module
+
+    levels = [
+        {"model": "random:qwen3-0.6b", "temperature": 1.0},
+        {"kind": "smc", "model": "random:qwen3-0.6b", "temperature": 1.0, "particles": 8, "block_size": 8},
+    ]
+    assert random_shape(levels[0]["model"]) is not None
+    cfg = load_config({"levels": levels, "engine": {"device": "cuda", "cuda_graphs": False}})
+    assert cfg.engine.resolved_max_batch_rows == "auto"
+    modules = [_meta_module(lc) for lc in cfg.levels]
+    group, lookahead = rows_and_lookahead(cfg)
+
+    def needs(rows: int) -> float:
+        per_token, reserve = _sizes(_with(cfg, rows), modules)
+        request = PROMPT_TOKENS + group * (cfg.generation.max_new_tokens + lookahead)
+        return (reserve + rows // group * request * sum(per_token)) / (1 - MARGIN)
+
+    for rows in (AUTO_ROWS, 64, 8):
+        assert with_rows(cfg, modules, int(needs(rows)) + 1).engine.max_batch_rows == rows
+        if rows > 8:
+            assert with_rows(cfg, modules, int(needs(rows)) - 1).engine.max_batch_rows == rows // 2
+    assert with_rows(cfg, modules, 1).engine.max_batch_rows == group  # one request's rows at least
+    cpu = load_config({"levels": levels})
+    assert cpu.engine.resolved_max_batch_rows == 16 and with_rows(cpu, modules, 1).engine.max_batch_rows == 16
+    fixed = load_config({"levels": levels, "engine": {"device": "cuda", "max_batch_rows": 24}})
+    assert with_rows(fixed, modules, 1).engine.max_batch_rows == 24
+
+
+def _with(cfg, rows: int):
+    import dataclasses
+
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_batch_rows=rows))

@@ -144,6 +144,8 @@ def test_feature_reading_drafter_receives_the_verifiers_residual_streams(pair):
     from helpers import make_state
     from transformers import AutoModelForCausalLM
 
+    from hsmc.engine.random_streams import RowStreams
+    from hsmc.engine.sampler import RowLaws
     from hsmc.levels.model import ModelLevel
     from hsmc.levels.rejection import RejectionLevel
     from hsmc.models.loading import load_model
@@ -174,10 +176,10 @@ def test_feature_reading_drafter_receives_the_verifiers_residual_streams(pair):
                 self._record(rows, keep_len, features)
             super().accept(rows, keep_len, next_token)
 
-    gen = torch.Generator().manual_seed(0)
-    drafter = RecordingDrafter(make_state(load_model(str(draft_path)).model, 4, 512), 0.0, gen)
+    streams, greedy = RowStreams(4, torch.device("cpu")), RowLaws(0.0, 4, torch.device("cpu"))
+    drafter = RecordingDrafter(make_state(load_model(str(draft_path)).model, 4, 512), greedy, streams, 1)
     verifier = make_state(load_model(str(target_path)).model, 4, 512, capture=layers)
-    level = RejectionLevel(verifier, drafter, 3, 0.0, gen)
+    level = RejectionLevel(verifier, drafter, 3, RowLaws(0.0, 4, torch.device("cpu")), streams, 2)
     rows = torch.tensor([0, 1])
     level.load_prompts(rows, [[5, 9, 13, 2], [7, 7]])
     level.prefill(rows)

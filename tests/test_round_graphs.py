@@ -133,7 +133,7 @@ def test_a_shape_is_captured_once_it_makes_half_of_the_last_rounds_and_deltas_mu
         return rows + 1
 
     parts = GraphParts(host=[HostField(state, "length", "length"), HostField(state, "pending")])
-    graphs = RoundGraphs(round_fn, parts, context_buckets=[16, 64, 256], generator=None)
+    graphs = RoundGraphs(round_fn, parts, context_buckets=[16, 64, 256])
     captures = []
 
     def fake_capture(key, inputs, before, after, context):
@@ -158,6 +158,11 @@ def test_a_shape_is_captured_once_it_makes_half_of_the_last_rounds_and_deltas_mu
     grow["by"] = 5
     with pytest.raises(RuntimeError, match=r"\(5, 0\) and \(3, 0\)"):
         graphs(rows[5])  # eager (5 rounds long ago): its move is checked
+    grow["by"] = 3
+    graphs.frozen = True  # after a warmup: a shape seen often enough still runs eagerly, never captured
+    for _ in range(20):
+        graphs(rows[11])
+    assert len(captures) == 1
 
 
 def test_rounds_inside_a_round_being_captured_run_eagerly(monkeypatch):
@@ -170,8 +175,8 @@ def test_rounds_inside_a_round_being_captured_run_eagerly(monkeypatch):
         return rows + 1
 
     length = [HostField(state, "length", "length")]
-    inner = RoundGraphs(inner_fn, GraphParts(host=length), [64], generator=None)
-    outer = RoundGraphs(lambda rows: inner(inner(rows)), GraphParts(host=length, graphs=[inner]), [64], None)
+    inner = RoundGraphs(inner_fn, GraphParts(host=length), [64])
+    outer = RoundGraphs(lambda rows: inner(inner(rows)), GraphParts(host=length, graphs=[inner]), [64])
     captured = []
 
     def fake_capture(graphs, key, inputs, before, after, context):  # the capture's runs, without a GPU

@@ -9,8 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hsmc.engine.sampler import gumbel_noise
-from hsmc.smc.resampling import multinomial_ancestors, select_particle, systematic_ancestors
+from hsmc.smc.resampling import multinomial_ancestors, resampling_plan, select_particle, systematic_ancestors
 from hsmc.smc.weights import effective_sample_size, log_normalizer, weight_increments
 
 
@@ -24,43 +23,69 @@ def _log_softmax(xs: list[float]) -> list[float]:
     return [x - z for x in xs]
 
 
-def _reference_delta(logits, drafts, logq, kept, alpha, temp) -> float:
-    """DESIGN.md §3, written out one particle at a time: the first `kept` of [d_1..d_K, bonus] count."""
+def _reference_delta(logits, drafts, logq, kept, alpha, temp, floors) -> float:
+    """DESIGN.md §3, written out one particle at a time: the first `kept` of [d_1..d_K, bonus] count; log p' is
+    the tempered law over the logits at or above the position's floor (−inf below)."""
+
+    def log_p(row: list[float], floor: float) -> list[float]:
+        kept_logits = [x / temp for x in row if x >= floor]
+        z = _logsumexp(kept_logits)
+        return [x / temp - z if x >= floor else -math.inf for x in row]
+
     k = len(drafts)
     total = 0.0
     for j in range(min(kept, k)):
-        total += alpha * _log_softmax([x / temp for x in logits[j]])[drafts[j]] - logq[j]
+        total += alpha * log_p(logits[j], floors[j])[drafts[j]] - logq[j]
     if kept <= k:
         return total
-    last = [x / temp for x in logits[k]]
-    return total + _logsumexp([alpha * x for x in last]) - alpha * _logsumexp(last)
+    last = [x for x in log_p(logits[k], floors[k]) if x > -math.inf]
+    return total + _logsumexp([alpha * x for x in last])
 
 
-@pytest.mark.parametrize("alpha,temp", [(1.0, 1.0), (2.0, 0.7), (0.5, 1.3)])
-def test_weight_increments_match_reference(alpha, temp):
+def _scale(temp: float, n: int) -> torch.Tensor:
+    return torch.full((n,), 1 / temp, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("alpha,temp,cut", [(1.0, 1.0, False), (2.0, 0.7, False), (0.5, 1.3, False), (2.0, 0.7, True)])
+def test_weight_increments_match_reference(alpha, temp, cut):
     gen = torch.Generator().manual_seed(0)
     n, k, v = 7, 4, 6
     logits = torch.randn(n, k + 1, v, generator=gen) * 2
     drafts = torch.randint(0, v, (n, k), generator=gen)
     logq = -torch.rand(n, k, generator=gen) * 3
     kept = torch.tensor([5, 1, 4, 5, 2, 3, 5])  # the output ends at the 1st .. 4th draft, or runs on
-    got = weight_increments(logits, drafts, logq, kept, alpha, temp)
+    # a cut keeps each position's 4 largest logits (a top-k / top-p floor): some drafts fall off it
+    floors = logits.sort(-1, descending=True).values[..., 3] if cut else torch.full((n, k + 1), -math.inf)
+    got = weight_increments(logits, drafts, logq, kept, alpha, _scale(temp, n), floors)
     assert got.dtype == torch.float64
     for i in range(n):
         ref = _reference_delta(
-            logits[i].double().tolist(), drafts[i].tolist(), logq[i].double().tolist(), int(kept[i]), alpha, temp
-        )
-        assert got[i].item() == pytest.approx(ref, abs=1e-9), f"particle {i}"
+            logits[i].double().tolist(), drafts[i].tolist(), logq[i].double().tolist(), int(kept[i]), alpha, temp,
+            floors[i].tolist(),
+        )  # fmt: skip
+        if ref == -math.inf:
+            assert got[i].item() == -math.inf, f"particle {i}"
+        else:
+            assert got[i].item() == pytest.approx(ref, abs=1e-9), f"particle {i}"
+    if cut:
+        assert (got == -math.inf).any() and (got > -math.inf).any()
 
 
 def test_log_normalizer_is_the_power_draws_weight():
-    """Drawing x from softmax(α·ℓ/T) instead of p_T(x)^α leaves exactly the weight Σ_x p_T(x)^α."""
+    """Drawing x from p'(x)^α normalized instead of p'(x)^α leaves exactly the weight Σ_x p'(x)^α, with or
+    without a cut."""
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 7, generator=gen) * 2
+    none = torch.full((3,), -math.inf)
     for alpha, temp in [(1.0, 0.9), (2.0, 0.7), (0.5, 1.3)]:
         p = torch.softmax(logits.double() / temp, -1)
-        assert torch.allclose(log_normalizer(logits, alpha, temp), (p**alpha).sum(-1).log(), atol=1e-12)
-    assert log_normalizer(logits, 1.0, 0.8).abs().max() < 1e-12
+        got = log_normalizer(logits, alpha, _scale(temp, 3), none)
+        assert torch.allclose(got, (p**alpha).sum(-1).log(), atol=1e-12)
+        floor = logits.sort(-1, descending=True).values[:, 2]  # the 3 largest
+        cut = torch.where(logits >= floor[:, None], logits.double() / temp, -math.inf).softmax(-1)
+        got = log_normalizer(logits, alpha, _scale(temp, 3), floor)
+        assert torch.allclose(got, (cut**alpha).sum(-1).log(), atol=1e-12)
+    assert log_normalizer(logits, 1.0, _scale(0.8, 3), none).abs().max() < 1e-12
 
 
 def test_proposal_equal_to_target_with_alpha_one_gives_zero_weights():
@@ -68,7 +93,8 @@ def test_proposal_equal_to_target_with_alpha_one_gives_zero_weights():
     logits = torch.randn(5, 4, 9, generator=gen)
     drafts = torch.randint(4, 9, (5, 3), generator=gen)
     logq = torch.log_softmax(logits[:, :3].double() / 0.8, -1).gather(-1, drafts[..., None]).squeeze(-1)
-    delta = weight_increments(logits, drafts, logq, torch.tensor([4, 4, 1, 2, 3]), 1.0, 0.8)
+    none = torch.full((5, 4), -math.inf)
+    delta = weight_increments(logits, drafts, logq, torch.tensor([4, 4, 1, 2, 3]), 1.0, _scale(0.8, 5), none)
     assert delta.abs().max() < 1e-12
 
 
@@ -125,7 +151,8 @@ def test_selection_argmax_and_sample_distribution():
     assert select_particle(logw, "argmax").tolist() == [1]
     n = 100_000
     gen = torch.Generator().manual_seed(3)
-    picks = select_particle(logw.expand(n, -1), "sample", gumbel_noise((n, 4), gen, torch.device("cpu")))
+    gumbel = -torch.log(-torch.log(torch.rand((n, 4), generator=gen)))
+    picks = select_particle(logw.expand(n, -1), "sample", gumbel)
     expected = torch.softmax(logw[0], -1) * n
     assert chisquare(torch.bincount(picks, minlength=4).double().numpy(), expected.numpy()).pvalue > 1e-3
     with pytest.raises(ValueError, match="selection must be"):
@@ -174,17 +201,35 @@ def test_groups_of_fewer_particles_resample_as_if_alone():
 
 
 def test_output_ends_matches_stop_criteria():
-    """The device test of the ends equals `StopCriteria.append` (no stop strings) on random blocks."""
-    from hsmc.stopping import StopCriteria, output_ends
+    """The device test of the ends equals `StopCriteria.append` (no stop strings) on random blocks, per row: its
+    own max_tokens, and stop tokens only where the row does not ignore EOS."""
+    from hsmc.smc.ends import output_ends
+    from hsmc.stopping import StopCriteria
 
     rng = random.Random(0)
     stop_ids = {2, 5}
-    criteria = StopCriteria(frozenset(stop_ids))
-    for max_new in (1, 3, 7):
-        generated = [rng.randint(0, max_new - 1) for _ in range(64)]
-        blocks = [[rng.randint(0, 7) for _ in range(4)] for _ in range(64)]
-        kept, ends = output_ends(torch.tensor(blocks), torch.tensor(generated), torch.tensor(sorted(stop_ids)), max_new)
-        for i, (before, block) in enumerate(zip(generated, blocks)):
-            tokens = [9] * before
-            reason = criteria.append(tokens, block, max_new)
-            assert kept[i].item() == len(tokens) - before and ends[i].item() == (reason is not None)
+    eos_criteria, ignoring = StopCriteria(frozenset(stop_ids)), StopCriteria(frozenset())
+    rows = 96
+    max_new = [rng.choice((1, 3, 7)) for _ in range(rows)]
+    eos = [rng.random() < 0.7 for _ in range(rows)]
+    generated = [rng.randint(0, m - 1) for m in max_new]
+    blocks = [[rng.randint(0, 7) for _ in range(4)] for _ in range(rows)]
+    kept, ends = output_ends(
+        torch.tensor(blocks), torch.tensor(generated), torch.tensor(sorted(stop_ids)), torch.tensor(max_new),
+        torch.tensor(eos),
+    )  # fmt: skip
+    for i, (before, block) in enumerate(zip(generated, blocks)):
+        tokens = [9] * before
+        reason = (eos_criteria if eos[i] else ignoring).append(tokens, block, max_new[i])
+        assert kept[i].item() == len(tokens) - before and ends[i].item() == (reason is not None)
+
+
+def test_a_group_whose_weights_are_all_zero_restarts_from_uniform_ancestors():
+    """Every particle off the target's support (a cut law): ESS 0, so a live group resamples, uniformly."""
+    logw = torch.tensor([[float("-inf")] * 4, [0.0, 1.0, float("-inf"), float("-inf")]], dtype=torch.float64)
+    counts = torch.tensor([4, 2])
+    ancestors, resample, ess = resampling_plan(logw, torch.tensor([True, True]), torch.tensor([0.3, 0.3]), 0.5,
+                                               "systematic", counts)  # fmt: skip
+    assert ess[0].item() == 0.0 and bool(resample[0])
+    assert ancestors[0].tolist() == [0, 1, 2, 3]  # points (0.3 + i) / 4 on a uniform cdf
+    assert ancestors[1].tolist()[2:] == [2, 3]  # padding keeps its own index

@@ -11,9 +11,7 @@ from conftest import make_tiny_model, save_tokenizer
 from helpers import assert_pools_empty
 
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.scheduler import Admission
 from hsmc.errors import ConfigError
-from hsmc.stopping import StopCriteria
 
 VOCAB = 4
 
@@ -46,11 +44,9 @@ def _smc(draft, target, draft_t=1.0, rows=64, **smc):
 def test_proposal_equal_to_target_gives_zero_weights(models):
     _, target = models
     decoder = _smc(target, target, particles=4, block_size=3, alpha=1.0)
-    admission = Admission([3] * 3, 10, max_rows=64, capacity=8192, rows_per_prompt=4)
-    events = decoder.stack.top.run([[1, 2, 0]] * 3, admission, 10, StopCriteria(frozenset()))
-    for g in [e.smc for e in events if e.smc is not None]:
+    for result in decoder.generate([[1, 2, 0]] * 3, max_new_tokens=10):
         # zero up to fp32 rounding: the proposal scores one token per forward, the target K+1
-        assert max(abs(w) for w in g.log_weights) < 1e-4
+        assert max(abs(p.log_weight) for p in result.smc.particles) < 1e-4
     assert decoder.stack.top.stats()["resample_rate"] == 0.0
     assert_pools_empty(decoder)
 

@@ -153,9 +153,9 @@ def test_eagle3_head_directly_under_smc(small_family, tmp_path):
 
 def test_eagle3_head_under_smc_reads_the_targets_features(small_family, tmp_path):
     """After each smc cycle the head holds exactly the pairs (target feature, token) of the committed tokens: the
-    same state a head reading the same model's features as a rejection verifier builds from scratch."""
-    from hsmc.engine.scheduler import Admission
-    from hsmc.stopping import StopCriteria
+    same state a head reading the same model's features as a rejection verifier builds from scratch. The check runs
+    in the request loop's sink, between two reads (a launch, on the CPU already run, follows each)."""
+    from hsmc.requests import SamplingParams
 
     head, _ = published_layout(tmp_path / "head", dtype=torch.float32, sizes=(*SIZES, 6, 6), scale=0.5, seed=9)
     big = str(small_family["big"])
@@ -168,17 +168,24 @@ def test_eagle3_head_under_smc_reads_the_targets_features(small_family, tmp_path
         {"levels": [{"kind": "eagle3", "model": str(head)}, {"kind": "rejection", "model": big}]}
     )
     f_eagle, f_rejection = fresh.stack.levels
-    admission = Admission([3, 1], 30, decoder.config.engine.max_batch_rows, decoder.stack.capacity)
-    events = top.run([[1, 4, 2], [3]], admission, 30, StopCriteria(frozenset()))
-    for _ in range(4):  # one particle: every cycle settles tokens, so each event follows one cycle
-        next(events)
+    checked, done = [], []
+
+    def check(increment) -> None:  # one particle: every read settles tokens
+        if increment.error is not None or increment.result is not None:
+            done.append(increment)
+            return
         for row in (0, 1):
             committed = eagle.state.seq[row, : int(eagle.state.seq_len[row])].tolist()
             f_rejection.load_prompts(torch.tensor([row]), [committed])
             f_rejection.prefill(torch.tensor([row]))
-            assert torch.allclose(eagle.last_logits[row], f_eagle.last_logits[row], atol=1e-4), row
+            checked.append(torch.allclose(eagle.last_logits[row], f_eagle.last_logits[row], atol=1e-4))
             f_rejection.release(torch.tensor([row]))
-    events.close()
+
+    params = [SamplingParams(max_tokens=12, seed=s, ignore_eos=True) for s in (1, 2)]
+    decoder.driver.submit([[1, 4, 2], [3]], params, check)
+    decoder.driver.shutdown(timeout=60)
+    assert len(done) == 2 and all(d.error is None for d in done)
+    assert len(checked) >= 8 and all(checked)
     assert_pools_empty(decoder)
 
 

@@ -66,6 +66,7 @@ class CUDAGraphs:
         self.context_buckets = geometric_buckets(512, 4, runner.tables.max_row_tokens)
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[tuple, CapturedForward] = {}
+        self.frozen = False  # after a warmup: a shape not captured runs eagerly instead of capturing mid-request
 
     def capture(self, width: int, last_only: bool, inputs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Capture every (rows, context) bucket for `width` tokens per row; `inputs` maps extra input names to
@@ -85,6 +86,8 @@ class CUDAGraphs:
             return None
         key = (rows, context, width, last_only, tuple(sorted(inputs)))
         if key not in self.captured:
+            if self.frozen:
+                return None
             specs = {name: (tuple(v.shape[2:]), v.dtype) for name, v in inputs.items()}
             self.capture(width, last_only, specs)
         cap = self.captured[key]

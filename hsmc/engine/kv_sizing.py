@@ -6,10 +6,14 @@ block-table column). After the weights are loaded, the free memory minus a reser
 activations (`RESERVE_BYTES` and `MARGIN` of what is free) divided by that sum is the capacity. The same
 arithmetic runs in preflight on estimated weight bytes (from the configs, nothing loaded), so a stack
 that cannot fit fails in a second with the numbers, not after minutes of loading.
+
+`engine.max_batch_rows: auto` (the CUDA default) is decided first, from the same numbers: the most rows whose
+logits reserve and requests' KV fit (`with_rows`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -21,6 +25,9 @@ from hsmc.models.config import DecoderConfig
 RESERVE_BYTES = 3 * 2**30  # CUDA graph pools, the levels' buffers, activations, cuBLAS workspaces
 LOGIT_COPIES = 4  # fp32 logits of the widest forward live several times at once (logits, log-softmax, weights)
 GRAPH_LOGIT_COPIES = 2  # and again in the pool of the graphed rounds / cycles (CUDA graphs)
+# a warmup captures the rounds / cycles of every batch size: the graphs' pool then held about ten copies more (H100,
+# docs/measurements/2026-11-27-h100-serve-bench.txt: 7 GB short for N=8 K=8 at 128 rows, 10.6 GB of pools at 96 x 17)
+WARMUP_LOGIT_COPIES = 10
 MARGIN = 0.08  # of the free memory: allocator fragmentation
 GIB = 2**30
 
@@ -47,12 +54,15 @@ def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0,
     inside it share one): the larger of a round's `LOGIT_COPIES` and a cycle's `GRAPH_LOGIT_COPIES`. Measured on an
     H200 (`--sections cycles`, float64 weights scored a position at a time): an eager SMC cycle peaks at 7.8
     bytes per logit, the cycle graphs' pool holds 15-18 (its 2-3 captured shapes fit each other's blocks
-    imperfectly), together 23-25 against the 24 reserved for a cycle."""
+    imperfectly), together 23-25 against the 24 reserved for a cycle. A warmup (`engine.warmup`) captures every batch
+    size's: `WARMUP_LOGIT_COPIES` more."""
     rounds = [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]  # a verify's positions
     cycles = [c.block_size + 1 for c in cfg.levels if c.kind == "smc"]
     positions = LOGIT_COPIES * max([1, *rounds, *cycles])
     if cfg.engine.resolved_cuda_graphs:
         positions += max(LOGIT_COPIES * max(rounds, default=0), GRAPH_LOGIT_COPIES * max(cycles, default=0))
+        if cfg.engine.warmup:
+            positions += WARMUP_LOGIT_COPIES * max([0, *rounds, *cycles])
     logits = positions * cfg.engine.max_batch_rows * vocab_size * 4
     return RESERVE_BYTES + logits + 2 * largest_fp8_weight * 2 + prefill_activations
 
@@ -121,16 +131,53 @@ def auto_capacity(
     return tokens
 
 
-def stack_capacity(cfg: HsmcConfig, modules: list[torch.nn.Module], free_bytes: int, what: str) -> int:
-    """`auto_capacity` for `cfg`'s stack of `modules` (one per level, loaded or on the meta device: only
-    configs, dtypes and FP8 layouts are read), in `free_bytes` of memory described by `what`."""
-    from hsmc.engine.scheduler import minimum_kv_tokens
-
-    table = block_table_bytes_per_token(cfg.engine.max_batch_rows)
+def _sizes(cfg: HsmcConfig, modules: list[torch.nn.Module]) -> tuple[list[int], int]:
+    """Per model, the bytes one KV slot costs (with its block-table column), and the reserve (`reserve_bytes`)."""
+    rows = cfg.engine.max_batch_rows
+    table = block_table_bytes_per_token(rows)
     dtypes = [next(m.parameters()).dtype for m in modules]  # the embeddings' (an FP8 model's activations)
     per_token = [kv_bytes_per_token(m.config, dtype) + table for m, dtype in zip(modules, dtypes)]
-    most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
     element_size = max(dtype.itemsize for dtype in dtypes)
     activations = prefill_activation_bytes([m.config for m in modules], element_size, cfg.engine.prefill_chunk_tokens)
-    reserve = reserve_bytes(cfg, modules[-1].config.vocab_size, largest_fp8_weight(modules), activations)
+    return per_token, reserve_bytes(cfg, modules[-1].config.vocab_size, largest_fp8_weight(modules), activations)
+
+
+def stack_capacity(cfg: HsmcConfig, modules: list[torch.nn.Module], free_bytes: int, what: str) -> int:
+    """`auto_capacity` for `cfg`'s stack of `modules` (one per level, loaded or on the meta device: only
+    configs, dtypes and FP8 layouts are read), in `free_bytes` of memory described by `what` (`cfg`'s rows
+    resolved: `with_rows`)."""
+    from hsmc.engine.scheduler import minimum_kv_tokens
+
+    per_token, reserve = _sizes(cfg, modules)
+    most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
     return auto_capacity(free_bytes, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
+
+
+AUTO_ROWS = 256  # the most rows "auto" gives: CUDA graphs are captured for every row bucket up to it
+PROMPT_TOKENS = 512  # the prompt a request is assumed to bring when "auto" sizes the rows
+
+
+def with_rows(cfg: HsmcConfig, modules: list[torch.nn.Module], free_bytes: int) -> HsmcConfig:
+    """`cfg` with engine.max_batch_rows a number: as configured, or for "auto" the most rows (a power of two, at
+    most AUTO_ROWS) whose logits reserve and KV fit in `free_bytes` with every row busy: each request a group
+    of N rows (an smc top's particles, else 1) with a PROMPT_TOKENS-token prompt and max_new_tokens to decode.
+    The KV pool then takes what is left (`kv_capacity_tokens: auto`)."""
+    from hsmc.engine.scheduler import rows_and_lookahead
+
+    rows = cfg.engine.resolved_max_batch_rows
+    if isinstance(rows, int):
+        return _rows(cfg, rows)
+    group, lookahead = rows_and_lookahead(cfg)
+    request_tokens = PROMPT_TOKENS + group * (cfg.generation.max_new_tokens + lookahead)
+    rows = AUTO_ROWS
+    while rows > group:
+        trial = _rows(cfg, rows)
+        per_token, reserve = _sizes(trial, modules)
+        if reserve + (rows // group) * request_tokens * sum(per_token) <= free_bytes * (1 - MARGIN):
+            break
+        rows //= 2
+    return _rows(cfg, max(rows, group))
+
+
+def _rows(cfg: HsmcConfig, rows: int) -> HsmcConfig:
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_batch_rows=rows))

@@ -25,7 +25,8 @@ the eager runs' did.
 
 Inside a round every forward runs eagerly (per-forward graphs do not nest in a capture, and the first round
 of a shape must measure the same host effects) and the per-forward timers are paused: the level times the
-round as a whole. The seeded generator is registered with each graph, so each replay draws new numbers.
+round as a whole. Random numbers are counter-based (`random_streams`), keyed by device tensors the round reads,
+so a replay draws what the same round run eagerly would.
 """
 
 from __future__ import annotations
@@ -102,7 +103,6 @@ class RoundGraphs:
         round_fn: Callable[..., Any],
         parts: GraphParts,
         context_buckets: list[int],
-        generator: torch.Generator,
     ) -> None:
         """`round_fn(*inputs)`: the round (tensors or None in, tensors out), all of its effects on the device
         in place or in `parts.host`."""
@@ -113,7 +113,6 @@ class RoundGraphs:
         self.inner = parts.graphs
         self.inside_outer = False  # an outer round is being captured: run eagerly, untouched
         self.context_buckets = context_buckets
-        self.generator = generator
         self.deltas: dict[tuple, tuple[int, ...]] = {}  # per shape: how the round moves the host ints
         self.recent: deque[tuple] = deque(maxlen=self.window)  # the shapes of the last rounds
         self.memory = _GraphMemory()
@@ -121,6 +120,7 @@ class RoundGraphs:
             graphs.memory = self.memory
         self.captured: dict[tuple, _Captured] = {}
         self.replays = 0
+        self.frozen = False  # after a warmup: a shape not captured runs eagerly instead of capturing mid-request
 
     def __call__(self, *inputs: torch.Tensor | None) -> Any:
         """The round over `inputs`, replayed, captured, or run eagerly."""
@@ -136,7 +136,7 @@ class RoundGraphs:
             longest = max((a for f, a in zip(self.host, after) if f.role == "length"), default=1)
             context = next((c for c in self.context_buckets if c >= longest), None)  # None: longer than any
         captured = self.captured.get((shape, context))
-        if captured is None and self.recent.count(shape) < self.capture_after:
+        if captured is None and (self.frozen or self.recent.count(shape) < self.capture_after):
             context = None
         if context is None:  # eager, measuring how the round moves the host ints
             with self._inside(None):
@@ -187,8 +187,8 @@ class RoundGraphs:
             if self.snapshot() != after:
                 raise RuntimeError(f"a round moved its host ints to {self.snapshot()}, an earlier one to {after}")
             self.restore(start)
+            torch.cuda.empty_cache()  # the eager run's cached blocks go back: the capture allocates in its own pool
             graph = torch.cuda.CUDAGraph()
-            graph.register_generator_state(self.generator)
             stream.wait_stream(torch.cuda.current_stream())
             with no_cyclic_gc(), torch.cuda.stream(stream):  # (not torch.cuda.graph: it empties the caches)
                 graph.capture_begin(pool=pool)

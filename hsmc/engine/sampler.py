@@ -1,51 +1,153 @@
-"""Gumbel-max sampling with the drawn token's log-probability.
+"""The one sampler: the law each row's tokens follow, its log-probabilities, and Gumbel-max draws from it.
 
-argmax(l/T + g), g ~ Gumbel(0, 1), is an exact draw from softmax(l/T) with no host sync and
-no `torch.multinomial`; the log-prob comes from the same scaled logits, so the value a
-level reports upward is the one it sampled from. All noise comes from a seeded generator. On
-CUDA the draw is one pass over the logits in Triton (`hsmc.ops.vocab.gumbel_max`: Philox noise
-keyed by a seed the generator draws on the device); on the CPU, torch ops (the reference).
+A row's law is softmax(ℓ/T) cut to the top_k most likely tokens, then to the fewest of those whose probability
+reaches top_p, renormalized (temperature, then top-k, then top-p on what top-k left, as Hugging Face's and vLLM's
+samplers apply them); T = 0 is greedy, the argmax with log-probability 0. The cut is a floor on the raw logits (the
+smallest one kept), so one comparison applies it in any precision and at any power of the law. Each level holds
+the law of its rows (`RowLaws`): its configured temperature, and for the top level each request's parameters.
+
+A draw is argmax(ℓ·s + g) over the kept tokens, g ~ Gumbel(0, 1) from the row's key (`random_streams`): exact, no
+host sync, no `torch.multinomial`, and the log-probability comes from the same scaled logits, so the value a level
+reports upward is the one it sampled from. On CUDA a draw is one pass over the logits in Triton
+(`hsmc.ops.vocab.gumbel_max`); on the CPU, torch ops (the reference).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-
-def gumbel_noise(
-    shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device
-) -> torch.Tensor:
-    """Standard Gumbel noise -log(-log U) in fp32, from `generator`."""
-    uniform = torch.rand(shape, generator=generator, device=device)
-    return -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+from hsmc.engine.host_io import upload
+from hsmc.engine.random_streams import gumbel
+from hsmc.engine.round_graphs import GraphParts, HostField
 
 
-def sample(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+@dataclass
+class Law:
+    """The law of a batch of rows, with what the host knows of it (the shape of a step may depend on it)."""
+
+    temperature: torch.Tensor  # float32 [R]
+    top_k: torch.Tensor  # int64 [R], 0 = every token
+    top_p: torch.Tensor  # float32 [R], 1 = every token
+    greedy: bool  # every row has T = 0
+    some_greedy: bool  # some row has T = 0
+    truncates: bool  # some row has top_k or top_p
+
+    def scale(self, power: float = 1.0) -> torch.Tensor:
+        """power / T per row (float32 [R]); 0 for a greedy row."""
+        t = self.temperature
+        return torch.where(t > 0, power / t.clamp_min(1e-30), 0.0)
+
+    def floors(self, logits: torch.Tensor) -> torch.Tensor:
+        """The smallest raw logit each row (and position) keeps: float32 [R, ...] for logits [R, ..., V]; -inf where
+        the law cuts nothing."""
+        shape = logits.shape[:-1]
+        if not self.truncates:
+            return torch.full(shape, float("-inf"), device=logits.device)
+        extra = (1,) * (logits.dim() - 2)
+        values, _ = logits.float().sort(-1, descending=True)
+        columns = torch.arange(values.shape[-1], device=logits.device)
+        k = self.top_k.view(-1, *extra, 1)
+        in_k = (k == 0) | (columns < k)
+        probs = torch.softmax(torch.where(in_k, values * self.scale().view(-1, *extra, 1), float("-inf")), -1)
+        before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
+        kept = in_k & (before < self.top_p.view(-1, *extra, 1))  # a prefix of the sorted tokens
+        floor = values.gather(-1, (kept.sum(-1, keepdim=True) - 1).clamp_min(0)).squeeze(-1)
+        cuts = ((self.top_k > 0) | (self.top_p < 1)) & (self.temperature > 0)
+        return torch.where(cuts.view(-1, *extra), floor, float("-inf"))
+
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """log p'(v) for logits [R, ..., V] (float32): -inf outside a row's cut; a greedy row is one-hot."""
+        extra = (1,) * (logits.dim() - 2)
+        x = logits.float()
+        scaled = x * self.scale().view(-1, *extra, 1)
+        if self.truncates:
+            scaled = torch.where(x >= self.floors(logits)[..., None], scaled, float("-inf"))
+        out = torch.log_softmax(scaled, -1)
+        if self.some_greedy:
+            columns = torch.arange(x.shape[-1], device=x.device)
+            one_hot = torch.where(columns == x.argmax(-1, keepdim=True), 0.0, float("-inf"))
+            out = torch.where((self.temperature == 0).view(-1, *extra, 1), one_hot, out)
+        return out
+
+    def sample(self, logits: torch.Tensor, keys: torch.Tensor, power: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draw per row of logits [R, V] from p'^power (normalized; power > 0) with noise keyed by `keys` [R]:
+        (tokens int64 [R], log-probabilities of the drawn tokens under p'^power, float32 [R]); a greedy row gives
+        its argmax and 0."""
+        return draw(logits, self.scale(power), self.floors(logits), keys)
+
+
+def draw(
+    logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` [..., V]; returns (tokens int64 [...], logprobs fp32 [...]).
-
-    Temperature 0 is greedy: the argmax, with log-prob 0 (a point mass).
-    """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
-        tokens = logits.argmax(-1)
-        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
-    if logits.is_cuda:  # one pass over the logits (`hsmc.ops.vocab`), Philox noise keyed from the generator
+    """argmax(ℓ·scale + g) over the entries ℓ >= floor (scale 0: the plain argmax, log-probability 0) per row of
+    logits [R, V], and the drawn entry's log_softmax: the one primitive every draw goes through."""
+    if logits.is_cuda:  # one pass over the logits
         from hsmc.ops.vocab import gumbel_max
 
-        seed = torch.randint(2**62, (1,), generator=generator, device=logits.device)
-        tokens, logprobs = gumbel_max(logits.reshape(-1, logits.shape[-1]), temperature, seed)
-        return tokens.view(logits.shape[:-1]), logprobs.view(logits.shape[:-1])
-    return gumbel_max_reference(logits, temperature, generator)
+        return gumbel_max(logits, scale.float(), floor.float(), keys)
+    x = logits.float()
+    scaled = torch.where(x >= floor[:, None], x * scale[:, None], float("-inf"))
+    greedy = scale == 0
+    score = torch.where(greedy[:, None], x, scaled + gumbel(keys, x.shape[-1]))
+    tokens = score.argmax(-1)
+    logprobs = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, torch.where(greedy, 0.0, logprobs)
 
 
-def gumbel_max_reference(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draw of `sample` at temperature > 0 in torch ops: the CPU path, and the reference of the CUDA kernel."""
-    scaled = logits.float() / temperature
-    tokens = (scaled + gumbel_noise(scaled.shape, generator, scaled.device)).argmax(-1)
-    logprobs = torch.log_softmax(scaled, -1).gather(-1, tokens[..., None]).squeeze(-1)
-    return tokens, logprobs
+class RowLaws:
+    """The law of every row of one level: its configured temperature, or what the driver assigned to a request's
+    rows (the top level's). The host keeps what it assigned, so a step knows whether any row truncates or samples
+    without reading the device."""
+
+    def __init__(self, temperature: float, max_rows: int, device: torch.device) -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.default = temperature
+        self.temperature = torch.full((max_rows + 1,), temperature, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(max_rows + 1, dtype=torch.float32, device=device)
+        self.assigned: dict[int, tuple[float, int, float]] = {}
+        self._counts = [0, 0, 0]  # assigned rows: greedy, sampling, cut
+        self._flags()
+
+    def assign(self, rows: list[int], laws: list[tuple[float, int, float]]) -> None:
+        """Row rows[i] follows laws[i] = (temperature, top_k, top_p) until it is cleared."""
+        device = self.temperature.device
+        index = upload(torch.tensor(rows, dtype=torch.int64), device)
+        self.temperature[index] = upload(torch.tensor([t for t, _, _ in laws], dtype=torch.float32), device)
+        self.top_k[index] = upload(torch.tensor([k for _, k, _ in laws], dtype=torch.int64), device)
+        self.top_p[index] = upload(torch.tensor([p for _, _, p in laws], dtype=torch.float32), device)
+        for row, law in zip(rows, laws):
+            self._count(self.assigned.get(row), -1)
+            self._count(law, 1)
+            self.assigned[row] = law
+        self._flags()
+
+    def clear(self, rows: list[int]) -> None:
+        for row in rows:
+            self._count(self.assigned.pop(row, None), -1)
+        self._flags()
+
+    def at(self, rows: torch.Tensor) -> Law:
+        return Law(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy, self.some_greedy,
+                   self.truncates)  # fmt: skip
+
+    def graph_parts(self) -> GraphParts:
+        """Its host facts are keys of a captured round: what the round's code branches on."""
+        return GraphParts(host=[HostField(self, name) for name in ("greedy", "some_greedy", "truncates")])
+
+    def _count(self, law: tuple[float, int, float] | None, sign: int) -> None:
+        if law is not None:
+            t, k, p = law
+            self._counts[0] += sign * (t == 0)
+            self._counts[1] += sign * (t > 0)
+            self._counts[2] += sign * (t > 0 and (k > 0 or p < 1))
+
+    def _flags(self) -> None:
+        """Host facts over the assigned rows and the configured law (which the other rows keep): graph keys."""
+        greedy, sampling, cut = self._counts
+        self.greedy = self.default == 0 and sampling == 0
+        self.some_greedy = self.default == 0 or greedy > 0
+        self.truncates = cut > 0

@@ -1,7 +1,7 @@
 """Run one config over a task: generate in fixed chunks, score, append records, resume what is done.
 
-Chunk k always holds items [k·B, (k+1)·B) (B = `engine.max_batch_rows`) and is generated with seed
-`generation.seed + k`, so a resumed run produces exactly the samples an uninterrupted one would.
+Chunk k always holds items [k·B, (k+1)·B) (B = `engine.max_batch_rows`, 64 when it is "auto") and is generated
+with seed `generation.seed + k`, so a resumed run produces exactly the samples an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def evaluate_config(
     """Records (one per task item, in item order) of `config_path` + `overrides` on `task`, written to
     `out_path` as they are scored; items already recorded there are not generated again."""
     config = load_config(config_path, overrides)
-    chunk = config.engine.max_batch_rows
+    rows = config.engine.resolved_max_batch_rows
+    chunk = rows if isinstance(rows, int) else 64
     meta = {"config": str(config_path), "resolved": dataclasses.asdict(config), "chunk": chunk, **task.meta()}
     records = RecordFile(out_path, meta)
     done = [item for item in task.items if item.id in records.records]

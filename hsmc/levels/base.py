@@ -26,6 +26,8 @@ read per step. Rows that bring fewer tokens than the width are padded (trash wri
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,6 +107,11 @@ class Level(Protocol):
     def step(self, rows: torch.Tensor) -> Emission: ...
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None: ...
     def release(self, rows: torch.Tensor) -> None: ...
+    def row_counters(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Per-row counters [R, 2] of every rejection level from this one down, top first (rounds, tokens emitted
+        since the row's request was admitted): a request's accepted length, read with its steps."""
+        ...
+
     def graph_parts(self) -> GraphParts:
         """Runners, timers and host ints a captured round of a level above touches through this one."""
         ...
@@ -236,6 +243,21 @@ class SequenceState(TokenRows):
 
     def graph_parts(self) -> GraphParts:
         return super().graph_parts() + GraphParts([self.runner], [self.timer], [HostField(self, "pending_bound")])
+
+    @staticmethod
+    @contextmanager
+    def admitting(states: list[SequenceState]) -> Iterator[None]:
+        """Bound the pending tokens of rows admitted inside apart from the running rows': an admission prefills
+        and extends only its own rows, so the bound after it is the larger of the two bounds, not their sum. (The
+        sum would widen the next step of every row and miss that step's captured graph.)"""
+        running = [s.pending_bound for s in states]
+        for s in states:
+            s.pending_bound = 0
+        try:
+            yield
+        finally:
+            for s, bound in zip(states, running):
+                s.pending_bound = max(bound, s.pending_bound)
 
     def append(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         super().append(rows, tokens)

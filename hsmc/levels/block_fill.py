@@ -74,6 +74,7 @@ class BlockFill:
         self.block = 0  # K of the smc level above (set by it)
         self.rows = 1  # particles per group of the smc level above (set by it for each run)
         self.verify_rounds = 1.0  # the rest of the smc cycle in rounds: its weight bytes / round_bytes (set by it)
+        self.law = (1 / (gamma + 1),) * (gamma + 1)  # before the first read: yields uniform on 1..γ+1
         self.reset()
 
     @property
@@ -103,8 +104,8 @@ class BlockFill:
             self.law = tuple(c / total for c in counts)
 
     def reset(self) -> None:
-        """Start a run from the prior (yields uniform on 1..γ+1), so a run depends on its seed only."""
-        self.law = (1 / (self.gamma + 1),) * (self.gamma + 1)
+        """Zero the counts of blocks and rounds. The law stays: it belongs to the models, and which rounds a block
+        runs changes no request's output (their draws are keyed per position, `random_streams`)."""
         self.blocks = self.rounds_run = 0  # host counts: blocks filled, rounds run for them
 
     def mean_rounds(self) -> float:

@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hsmc.engine.random_streams import DRAW, RowStreams, purpose_of
 from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.engine.runner import ModelRunner
-from hsmc.engine.sampler import sample
+from hsmc.engine.sampler import RowLaws
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.base import Proposal, StepOutput, TokenRows, masked_accept
 
@@ -40,21 +41,23 @@ class Eagle3Level:
         capacity: int,
         max_new_pairs: int,
         max_bridged: int,
-        temperature: float,
-        generator: torch.Generator,
+        laws: RowLaws,
+        streams: RowStreams,
+        salt: int,
         feature_window: int = 64,
         prefill_chunk_tokens: int = 8192,
     ) -> None:
         """`max_new_pairs`: most pairs one verify commits (γ + 1 under a rejection level with γ drafts).
         `max_bridged`: most pairs that may lack the verifier's feature after an accept from further up: one
-        per level above the verifier (each appends a token its verifier has not processed yet)."""
+        per level above the verifier (each appends a token its verifier has not processed yet). `laws`, `streams`,
+        `salt`: how it samples its drafts (see `ModelLevel`)."""
         self.runner, self.head, self.embed = runner, runner.module, embed
         device = runner.device
         cfg = self.head.config
         self.feature_layers = feature_layers
         self.max_new_pairs = max_new_pairs
         self.max_bridged = max_bridged
-        self.temperature, self.generator = temperature, generator
+        self.laws, self.streams, self.draw = laws, streams, purpose_of(salt, DRAW)
         self.state = TokenRows(max_rows, capacity, device)
         self.timer = ForwardTimer(device)
         h, dtype = cfg.hidden_size, self.head.fc.weight.dtype
@@ -97,17 +100,19 @@ class Eagle3Level:
         self.last_hidden[rows], self.last_logits[rows] = self.final_hidden[rows], self.final_logits[rows]
 
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
+        law = self.laws.at(rows)
+        start = self.state.seq_len[rows]  # the first draft's position
         tokens, logq, logprobs = [], [], []
         for step in range(k):
             if step:
                 hidden, logits = self._forward(rows, tokens[-1][:, None], self.last_hidden[rows][:, None])
                 self.last_hidden[rows], self.last_logits[rows] = hidden[:, 0], self._full_vocab(logits[:, 0])
             last = self.last_logits[rows]
-            tok, lp = sample(last, self.temperature, self.generator)
+            tok, lp = law.sample(last, self.streams.keys(rows, self.draw, start + step))
             tokens.append(tok)
             logq.append(lp)
-            if self.temperature > 0 and at_most:  # a verifier above needs q(·); smc reads logq alone
-                logprobs.append(torch.log_softmax(last / self.temperature, -1))
+            if not law.greedy and at_most:  # a verifier above needs q(·); smc reads logq alone
+                logprobs.append(law.log_probs(last))
         drafts = torch.stack(tokens, 1)
         self.state.append(rows, drafts)
         self.proposed = k
@@ -158,11 +163,15 @@ class Eagle3Level:
         for length in (self.state.seq_len, self.final_len, self.feature_len):
             length.index_fill_(0, rows, 0)
 
+    def row_counters(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return []
+
     def set_len_bound(self, bound: int) -> None:
         self.state.bound_lengths(bound)
 
     def graph_parts(self) -> GraphParts:
-        return self.state.graph_parts() + GraphParts([self.runner], [self.timer], [HostField(self, "proposed")])
+        own = GraphParts([self.runner], [self.timer], [HostField(self, "proposed")])
+        return self.state.graph_parts() + self.laws.graph_parts() + own
 
     def reset_stats(self) -> None:
         self.timer.reset()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from hsmc.engine.random_streams import DRAW, RowStreams, purpose_of
 from hsmc.engine.round_graphs import GraphParts, HostField
-from hsmc.engine.sampler import sample
+from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput, masked_accept
 
 
@@ -14,10 +15,13 @@ class ModelLevel:
     step_growth = 1
     fill = None  # drafts exactly what it is asked for: no block fill
 
-    def __init__(self, state: SequenceState, temperature: float, generator: torch.Generator) -> None:
+    def __init__(self, state: SequenceState, laws: RowLaws, streams: RowStreams, salt: int) -> None:
+        """`laws`: each row's sampling law; `streams`: the stack's per-row random streams; `salt`: this level's
+        depth under the top of the stack (its draws' purpose)."""
         self.state = state
-        self.temperature = temperature
-        self.generator = generator
+        self.laws = laws
+        self.streams = streams
+        self.draw = purpose_of(salt, DRAW)
         self.proposed = 0  # tokens handed up by the last propose: bounds the next accept's rollback
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
@@ -28,15 +32,16 @@ class ModelLevel:
         self.state.forward(rows, leave_last=True, last_only=True)
 
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
+        law = self.laws.at(rows)
         tokens, logq, logprobs = [], [], []
         for _ in range(k):
             last = self.state.forward(rows, last_only=True).logits[:, 0]
-            tok, lp = sample(last, self.temperature, self.generator)
+            tok, lp = law.sample(last, self.streams.keys(rows, self.draw, self.state.seq_len[rows]))
             self.state.append(rows, tok[:, None])
             tokens.append(tok)
             logq.append(lp)
-            if self.temperature > 0 and at_most:  # a verifier above needs q(·); smc reads logq alone
-                logprobs.append(torch.log_softmax(last.float() / self.temperature, -1))
+            if not law.greedy and at_most:  # a verifier above needs q(·); smc reads logq alone
+                logprobs.append(law.log_probs(last))
         self.proposed = k
         return Proposal(
             tokens=torch.stack(tokens, 1),
@@ -68,11 +73,14 @@ class ModelLevel:
     def release(self, rows: torch.Tensor) -> None:
         self.state.release(rows)
 
+    def row_counters(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return []
+
     def set_len_bound(self, bound: int) -> None:
         self.state.bound_lengths(bound)
 
     def graph_parts(self) -> GraphParts:
-        return self.state.graph_parts() + GraphParts(host=[HostField(self, "proposed")])
+        return self.state.graph_parts() + self.laws.graph_parts() + GraphParts(host=[HostField(self, "proposed")])
 
     def reset_stats(self) -> None:
         self.state.timer.reset()

@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 
 from hsmc.engine.host_io import read_counters
+from hsmc.engine.random_streams import ACCEPT, RESIDUAL, RowStreams, purpose_of, uniform
 from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
-from hsmc.engine.sampler import gumbel_noise
+from hsmc.engine.sampler import RowLaws, draw
 from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput, masked_accept
 from hsmc.levels.block_fill import BlockFill
 from hsmc.models.shapes import weight_bytes
@@ -44,18 +45,21 @@ class RejectionLevel:
         state: SequenceState,
         drafter: Level,
         num_draft_tokens: int,
-        temperature: float,
-        generator: torch.Generator,
+        laws: RowLaws,
+        streams: RowStreams,
+        salt: int,
         graph_rounds: bool = False,
     ) -> None:
-        """`graph_rounds`: capture each round as one CUDA graph (the runner must have CUDA graphs; not for a
-        level drafting for another rejection level, whose rounds run inside that level's)."""
+        """`laws`: the law each row's tokens must follow exactly; `streams`, `salt`: its random streams and its
+        depth under the top. `graph_rounds`: capture each round as one CUDA graph (the runner must have CUDA
+        graphs; not for a level drafting for another rejection level, whose rounds run inside that level's)."""
         self.state = state
         self.drafter = drafter
         self.gamma = num_draft_tokens
         self.step_growth = num_draft_tokens + 1
-        self.temperature = temperature
-        self.generator = generator
+        self.laws = laws
+        self.streams = streams
+        self.accept_purpose, self.residual_purpose = purpose_of(salt, ACCEPT), purpose_of(salt, RESIDUAL)
         max_rows, width = state.seq.shape
         device = state.seq.device
         self.seq_logq = torch.zeros(max_rows, width, dtype=torch.float32, device=device)
@@ -63,11 +67,13 @@ class RejectionLevel:
         self.ahead = 0  # most tokens a row holds past what the caller acknowledged (bounds accept's rollback)
         # row-rounds by tokens emitted (entry i: i + 1), on the device: read by stats() and the block fill
         self.yields = torch.zeros(num_draft_tokens + 1, dtype=torch.int64, device=device)
+        # per row since its request was admitted: rounds run and tokens they emitted (a request's accepted length)
+        self.row_counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=device)
         self.fill = BlockFill(num_draft_tokens, self.yields, self._round_bytes())
         self.rounds = None
         if graph_rounds:
             buckets = state.runner.graphs.context_buckets
-            self.rounds = RoundGraphs(self._kept, self.graph_parts(), buckets, generator)
+            self.rounds = RoundGraphs(self._kept, self.graph_parts(), buckets)
 
     def _round_bytes(self) -> int:
         """Weight bytes one round reads: every model of the drafter's stack γ times, the verifier once."""
@@ -111,7 +117,7 @@ class RejectionLevel:
         cycles = -(-k // (self.gamma + 1))
         width = cycles * (self.gamma + 1)
         logprobs = None
-        if self.temperature > 0:
+        if not self.laws.greedy:
             vocab = self.state.runner.module.config.vocab_size
             logprobs = torch.zeros(len(rows), width + 1, vocab, device=rows.device)  # + a trash column
         for _ in range(cycles):
@@ -167,6 +173,11 @@ class RejectionLevel:
     def release(self, rows: torch.Tensor) -> None:
         self.state.release(rows)
         self.drafter.release(rows)
+        self.row_counts.index_fill_(0, rows, 0)
+
+    def row_counters(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Each row's (rounds, tokens emitted) here and in the rejection levels below, top first."""
+        return [self.row_counts[rows], *self.drafter.row_counters(rows)]
 
     def set_len_bound(self, bound: int) -> None:
         """`bound` holds for the level above; rows here may hold up to `ahead` tokens more (a block's surplus).
@@ -179,7 +190,7 @@ class RejectionLevel:
         """What a round touches (a graph of a round of the level above holds this level's round graphs inside)."""
         inner = [self.rounds] if self.rounds is not None else []
         own = GraphParts(host=[HostField(self, "ahead")], graphs=inner)
-        return self.state.graph_parts() + self.drafter.graph_parts() + own
+        return self.state.graph_parts() + self.laws.graph_parts() + self.drafter.graph_parts() + own
 
     def reset_stats(self) -> None:
         self.state.timer.reset()
@@ -220,21 +231,21 @@ class RejectionLevel:
     def _round(
         self, rows: torch.Tensor, active: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft + verify for `rows`; returns the number of drafts each row kept and, at T > 0, the
-        verifier's log_softmax(ℓ/T) at the γ+1 positions from the first draft's on [R, γ+1, V]. Rows where
+        """One draft + verify for `rows`; returns the number of drafts each row kept and, unless every row is
+        greedy, the verifier's log p' at the γ+1 positions from the first draft's on [R, γ+1, V]. Rows where
         `active` is False run along but keep their state (their drafts are rolled back)."""
         gamma = self.gamma
         draft = self.drafter.propose(rows, gamma, at_most=True)
-        base = self.state.seq_len[rows]
+        base = self.state.seq_len[rows]  # the first draft's position
         self.state.append(rows, draft.tokens)
         step = self.state.forward(rows)
         p_logits = step.last(gamma + 1).float()  # p_1..p_{γ+1}
-        accepted, token = self._verify(draft, p_logits)
-        logp = None
-        if self.temperature == 0:
+        law = self.laws.at(rows)
+        logp = None if law.greedy else law.log_probs(p_logits)
+        accepted, token = self._verify(rows, base, draft, p_logits, logp)
+        if logp is None:
             emitted_logq = torch.zeros(len(rows), gamma + 1, device=rows.device)
         else:
-            logp = torch.log_softmax(p_logits / self.temperature, -1)
             chosen = torch.cat([draft.tokens, draft.tokens[:, :1]], 1)
             chosen.scatter_(1, accepted[:, None], token[:, None])
             emitted_logq = logp.gather(-1, chosen[..., None]).squeeze(-1)
@@ -248,22 +259,27 @@ class RejectionLevel:
         self.drafter.accept(rows, keep_len, token, step if self.drafter.feature_layers else None)
         ran = torch.ones_like(keep_len) if active is None else active.to(torch.int64)
         self.yields.index_add_(0, accepted, ran)
+        self.row_counts.index_add_(0, rows, torch.stack([ran, ran * (accepted + 1)], 1))
         return accepted, logp
 
-    def _verify(self, draft: Proposal, p_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Number of kept drafts per row [R] and the token that follows them [R]. Positions past a row's
-        draft count hold no draft (q = 0 there): a row that keeps all its drafts gets the bonus from p."""
+    def _verify(
+        self, rows: torch.Tensor, base: torch.Tensor, draft: Proposal, p_logits: torch.Tensor, logp: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Number of kept drafts per row [R] and the token that follows them [R], for drafts at positions base,
+        base + 1, ... and the verifier's log p' there (`logp`; None: every row greedy). Positions past a row's
+        draft count hold no draft (q = 0 there): a row that keeps all its drafts gets the bonus from p'. A greedy
+        row's p' is one-hot, so the rule keeps drafts while they are the argmax and then takes it."""
         gamma = draft.tokens.shape[1]
-        rows = torch.arange(len(draft.tokens), device=draft.tokens.device)
+        index = torch.arange(len(draft.tokens), device=draft.tokens.device)
         drafted = torch.ones_like(draft.tokens, dtype=torch.bool)
         if draft.count is not None:
             drafted = torch.arange(gamma, device=rows.device)[None, :] < draft.count[:, None]
-        if self.temperature == 0:
+        if logp is None:
             greedy = p_logits.argmax(-1)  # [R, γ+1]
             keep = ((greedy[:, :gamma] == draft.tokens) & drafted).to(torch.int64)
             accepted = keep.cumprod(1).sum(1)
-            return accepted, greedy[rows, accepted]
-        p = torch.softmax(p_logits / self.temperature, -1)
+            return accepted, greedy[index, accepted]
+        p = logp.exp()
         if draft.logprobs is None:  # deterministic drafts: q is one-hot at the draft
             q = torch.zeros_like(p[:, :gamma]).scatter_(-1, draft.tokens[..., None], 1.0)
         else:
@@ -271,12 +287,15 @@ class RejectionLevel:
         q = q * drafted[..., None]
         p_d = p[:, :gamma].gather(-1, draft.tokens[..., None]).squeeze(-1)
         q_d = q.gather(-1, draft.tokens[..., None]).squeeze(-1)
-        uniform = torch.rand(p_d.shape, generator=self.generator, device=p_d.device)
-        keep = ((uniform * q_d < p_d) & drafted).to(torch.int64)  # u < min(1, p/q)
+        positions = base[:, None] + torch.arange(gamma, device=rows.device)
+        u = uniform(self.streams.keys(rows, self.accept_purpose, positions)).float()
+        keep = ((u * q_d < p_d) & drafted).to(torch.int64)  # u < min(1, p/q)
         accepted = keep.cumprod(1).sum(1)
         # residual at the first rejection, or p_{γ+1} when every draft was kept
         q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
-        residual = (p - q_pad).clamp_min(0)[rows, accepted]
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, accepted])
-        token = (residual.log() + gumbel_noise(residual.shape, self.generator, residual.device)).argmax(-1)
+        residual = (p - q_pad).clamp_min(0)[index, accepted]
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[index, accepted])
+        ones, no_floor = torch.ones_like(p_d[:, 0]), torch.full_like(p_d[:, 0], float("-inf"))
+        keys = self.streams.keys(rows, self.residual_purpose, base + accepted)
+        token, _ = draw(residual.log(), ones, no_floor, keys)
         return accepted, token

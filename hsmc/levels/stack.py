@@ -10,10 +10,14 @@ from torch import nn
 
 from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, random_eagle3_head
+from hsmc.engine.host_io import upload
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
-from hsmc.engine.kv_sizing import free_memory, stack_capacity
+from hsmc.engine.kv_sizing import free_memory, stack_capacity, with_rows
+from hsmc.engine.random_streams import RowStreams
 from hsmc.engine.runner import ModelRunner
+from hsmc.engine.sampler import RowLaws
 from hsmc.engine.scheduler import lookahead_tokens
+from hsmc.engine.tops import Group
 from hsmc.errors import ConfigError
 from hsmc.levels.base import Level, SequenceState
 from hsmc.levels.eagle3 import Eagle3Level
@@ -32,8 +36,10 @@ class Stack:
     configs: list[LevelConfig]
     tokenizer: Any | None
     eos_token_ids: tuple[int, ...]
-    generator: torch.Generator
+    streams: RowStreams  # every row's random streams, shared by the levels
     capacity: int  # KV slots of every model's pool (engine.kv_capacity_tokens, resolved when "auto")
+    max_rows: int  # engine.max_batch_rows, resolved when "auto"
+    device: torch.device
 
     @property
     def top(self) -> Any:
@@ -46,6 +52,21 @@ class Stack:
     @property
     def rows_per_prompt(self) -> int:
         return self.top.params.particles if self.is_smc else 1
+
+    def assign(self, groups: list[Group]) -> None:
+        """The random streams of newly admitted requests' rows (particle i of a request seeded s: the stream (s, i))
+        and their law at the top level (the request's temperature, top_k, top_p)."""
+        rows = [r for g in groups for r in g.rows]
+        seeds = [g.request.params.seed for g in groups for _ in g.rows]
+        particles = [i for g in groups for i in range(len(g.rows))]
+        index = upload(torch.tensor([rows, seeds, particles], dtype=torch.int64), self.device)
+        self.streams.seed(*index)
+        laws = [(g.request.params.temperature, g.request.params.top_k, g.request.params.top_p) for g in groups]
+        self.top.laws.assign(rows, [law for g, law in zip(groups, laws) for _ in g.rows])
+
+    def clear(self, rows: list[int]) -> None:
+        """Released rows: the top level's law forgets them."""
+        self.top.laws.clear(rows)
 
     @property
     def lookahead(self) -> int:
@@ -77,7 +98,6 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
     device = torch.device(cfg.engine.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"engine.device={cfg.engine.device!r} but no CUDA device is available")
-    generator = torch.Generator(device).manual_seed(cfg.generation.seed)
     backend = make_backend(cfg.engine.resolved_attention)
     graphs = cfg.engine.resolved_cuda_graphs
     loaded: dict[tuple[str, str, int | None], LoadedModel] = {}
@@ -107,11 +127,16 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
     heads = {i: head_of(lc) for i, lc in enumerate(cfg.levels) if lc.kind == "eagle3"}
     modules = [heads[i][0] if i in heads else model_of(lc).model for i, lc in enumerate(cfg.levels)]
     _set_fp8_activations(modules, cfg.engine.fp8_activations)
+    cfg = _with_rows(cfg, modules, device)
     rows = cfg.engine.max_batch_rows
     capacity = _kv_capacity(cfg, modules, device)
+    streams = RowStreams(rows, device)
     levels: list[Any] = []
     vocabularies: list[tuple[int, Any | None]] = []  # (vocab size, tokenizer) per level
     for i, lc in enumerate(cfg.levels):
+        # a level's draws are salted by its depth under the top: the top draws the same stream in every stack (an
+        # smc top with K = 0 and N = 1 gives exactly its model's samples)
+        laws, salt = RowLaws(lc.temperature, rows, device), len(cfg.levels) - 1 - i
         if lc.kind == "eagle3":
             above = cfg.levels[i + 1]
             verifier = model_of(above).model
@@ -129,7 +154,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
             pairs, bridged = block + 1, len(cfg.levels) - 2  # one per level above the verifier
             levels.append(
                 Eagle3Level(
-                    runner, embed, layers, rows, capacity, pairs, bridged, lc.temperature, generator,
+                    runner, embed, layers, rows, capacity, pairs, bridged, laws, streams, salt,
                     prefill_chunk_tokens=cfg.engine.prefill_chunk_tokens,
                 )
             )  # fmt: skip
@@ -144,12 +169,12 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
         )
         state = SequenceState(runner, rows, capacity, cfg.engine.prefill_chunk_tokens)
         if lc.kind == "model":
-            levels.append(ModelLevel(state, lc.temperature, generator))
+            levels.append(ModelLevel(state, laws, streams, salt))
         elif lc.kind == "rejection":
             drafts_for_rejection = i + 1 < len(cfg.levels) and cfg.levels[i + 1].kind == "rejection"
             levels.append(
                 RejectionLevel(
-                    state, below, lc.num_draft_tokens, lc.temperature, generator,
+                    state, below, lc.num_draft_tokens, laws, streams, salt,
                     graph_rounds=graphs and not drafts_for_rejection,
                 )
             )  # fmt: skip
@@ -157,11 +182,19 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
             params = SMCParams(
                 lc.particles, lc.block_size, lc.alpha, lc.temperature, lc.ess_threshold, lc.resampling, lc.selection
             )
-            levels.append(SMCLevel(state, below, params, generator, graph_cycles=graphs))
+            stop_ids = tuple(model.model.config.eos_token_ids)
+            levels.append(SMCLevel(state, below, params, laws, streams, salt, stop_ids, graph_cycles=graphs))
     _check_same_vocabulary(cfg.levels, vocabularies)
     tokenizer = next((t for _, t in reversed(vocabularies) if t is not None), None)
     top = model_of(cfg.levels[-1]).model
-    return Stack(levels, list(cfg.levels), tokenizer, top.config.eos_token_ids, generator, capacity)
+    return Stack(levels, list(cfg.levels), tokenizer, top.config.eos_token_ids, streams, capacity, rows, device)
+
+
+def _with_rows(cfg: HsmcConfig, modules: list[Any], device: torch.device) -> HsmcConfig:
+    """`cfg` with its rows a number (engine.max_batch_rows, sized from the free memory when "auto")."""
+    if isinstance(cfg.engine.resolved_max_batch_rows, int):
+        return with_rows(cfg, modules, 0)
+    return with_rows(cfg, modules, free_memory(device))
 
 
 def _kv_capacity(cfg: HsmcConfig, modules: list[Any], device: torch.device) -> int:

@@ -4,11 +4,15 @@ A sampling step or an SMC weight reads each row of logits (152k values for Qwen3
 float copy, the scaling, uniform noise and its two logarithms, the argmax, a log-softmax, a gather: about
 fourteen kernels over [rows, vocabulary] per draw, each a separate launch on the chain of a graphed cycle. Here
 the row is read once: programs reduce blocks of it to partial results (the best noisy score, its token and
-logit, the block's max and sum of exponentials), and one small kernel per row combines them. The noise is
-Philox, counter (column, row), keyed by a seed drawn from the caller's torch generator on the device, so a draw
-is reproducible from the generator's seed, needs no host read and can be captured in a CUDA graph. The torch
-path (`hsmc.engine.sampler`, `hsmc.smc.weights`) stays the CPU reference; these kernels run on CUDA and, through
-Triton's interpreter, in the tests (whose chi-square checks hold them to the exact law).
+logit, the block's max and sum of exponentials), and one small kernel per row combines them.
+
+Every row is its own request: it brings its scale (1 / temperature, 0 for greedy), its truncation (top-k /
+top-p as a floor on the raw logits) and its key. The noise is Philox keyed by the row's key with the column as
+counter -- not the row -- so a draw depends only on that row's logits, scale, floor and key, never on where the
+row sits in the batch or on the other rows: a seeded request gives the same tokens whatever batch it shares.
+Everything comes in device tensors, so a step needs no host read and can be captured in a CUDA graph. The
+torch path (`hsmc.engine.sampler`, `hsmc.smc.weights`) stays the CPU reference; these kernels run on CUDA and,
+through Triton's interpreter, in the tests (whose chi-square checks hold them to the exact law).
 """
 
 from __future__ import annotations
@@ -21,15 +25,14 @@ BLOCK = 4096  # vocabulary entries per program
 
 
 @triton.jit
-def _scaled_block(logits_ptr, V, stride_row, scale, dtype: tl.constexpr, BLOCK: tl.constexpr):
-    """Block `program_id(1)` of row `program_id(0)` times `scale` in `dtype`, -inf past the row:
-    (row, block, columns, in range, values)."""
+def _row_block(logits_ptr, V, stride_row, BLOCK: tl.constexpr):
+    """Block `program_id(1)` of row `program_id(0)` as stored, -inf past the row: (row, block, columns,
+    values)."""
     row = tl.program_id(0)
     block = tl.program_id(1)
     cols = block * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < V
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=ok, other=float("-inf")).to(dtype)
-    return row, block, cols, ok, x * scale
+    z = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < V, other=float("-inf"))
+    return row, block, cols, z
 
 
 @triton.jit
@@ -49,15 +52,20 @@ def _combined_lse(m, s):
 
 @triton.jit
 def _gumbel_partials(
-    logits_ptr, seed_ptr, part_ptr, V, stride_row, inv_temperature, num_blocks, BLOCK: tl.constexpr
+    logits_ptr, scale_ptr, floor_ptr, keys_ptr, part_ptr, V, stride_row, num_blocks, BLOCK: tl.constexpr
 ):  # fmt: skip
-    """Block `program_id(1)` of row `program_id(0)`: (best score, its column, its scaled logit, max, sum exp)."""
-    row, block, cols, ok, x = _scaled_block(logits_ptr, V, stride_row, inv_temperature, tl.float32, BLOCK)
-    bits, _, _, _ = tl.philox(tl.load(seed_ptr), cols, row, 0, 0)
-    uniform = tl.uint_to_uniform_float(bits)
-    score = tl.where(ok, x - tl.log(-tl.log(uniform)), float("-inf"))  # u = 0 gives -inf: never drawn
+    """Block `program_id(1)` of row `program_id(0)`: (best score, its column, its scaled logit, max, sum exp)
+    over the entries at or above the row's floor. A greedy row (scale 0) scores the raw logits, without noise."""
+    row, block, cols, z = _row_block(logits_ptr, V, stride_row, BLOCK)
+    z = z.to(tl.float32)
+    scale = tl.load(scale_ptr + row)
+    keep = (z >= tl.load(floor_ptr + row)) & (z > float("-inf"))  # -inf (and past the row) never drawn
+    x = tl.where(keep, z * scale, float("-inf"))
+    bits, _, _, _ = tl.philox(tl.load(keys_ptr + row), cols, 0, 0, 0)  # the column, not the row: batch-free
+    noisy = x - tl.log(-tl.log(tl.uint_to_uniform_float(bits)))  # u = 0 gives -inf: never drawn
+    score = tl.where(scale > 0, noisy, z)
     best = tl.max(score, 0)
-    column = tl.argmax(score, 0)
+    column = tl.argmax(score, 0)  # the lowest column on a tie, as torch.argmax for greedy rows
     m, s = _max_and_sum_exp(x)
     base = part_ptr + (row * num_blocks + block) * 5
     tl.store(base, best)
@@ -68,9 +76,11 @@ def _gumbel_partials(
 
 
 @triton.jit
-def _gumbel_finish(part_ptr, tokens_ptr, logprobs_ptr, num_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+def _gumbel_finish(
+    part_ptr, scale_ptr, tokens_ptr, logprobs_ptr, num_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr
+):  # fmt: skip
     """Combine a row's blocks: the best score's token (the lowest block on a tie), and its scaled logit minus
-    the row's log-sum-exp."""
+    the log-sum-exp of the kept entries (0 for a greedy row, which is certain)."""
     row = tl.program_id(0)
     b = tl.arange(0, BLOCKS)
     ok = b < num_blocks
@@ -83,7 +93,7 @@ def _gumbel_finish(part_ptr, tokens_ptr, logprobs_ptr, num_blocks, BLOCK: tl.con
     column = tl.sum(tl.where(pick, tl.load(base + 1, mask=ok, other=0.0), 0.0), 0).to(tl.int64)
     x = tl.sum(tl.where(pick, tl.load(base + 2, mask=ok, other=0.0), 0.0), 0)
     tl.store(tokens_ptr + row, winner.to(tl.int64) * BLOCK + column)
-    tl.store(logprobs_ptr + row, x - _combined_lse(m, s))
+    tl.store(logprobs_ptr + row, tl.where(tl.load(scale_ptr + row) > 0, x - _combined_lse(m, s), 0.0))
 
 
 def _partials(logits: torch.Tensor, fields: int, dtype: torch.dtype) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -94,28 +104,36 @@ def _partials(logits: torch.Tensor, fields: int, dtype: torch.dtype) -> tuple[to
     return logits, blocks, torch.empty(logits.shape[0], blocks, fields, dtype=dtype, device=logits.device)
 
 
-def gumbel_max(logits: torch.Tensor, temperature: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draw per row of logits [R, V] from softmax(logits / temperature) (> 0) and its log-probability,
-    noise keyed by `seed` (int64 [1] on the logits' device): (int64 [R], float32 [R])."""
+def gumbel_max(
+    logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row of logits [R, V] and its log-probability: (int64 [R], float32 [R]).
+
+    Row r draws from softmax(logits[r] * scale[r]) over the entries with logits[r, v] >= floor[r] (float32
+    [R], raw logit units: top-k / top-p; -inf keeps all), noise keyed by keys[r] (int64 [R]) alone; a row with
+    scale[r] == 0 (float32 [R]) is greedy: the argmax of its logits (lowest index on a tie), log-prob 0."""
     logits, blocks, partials = _partials(logits, 5, torch.float32)
+    scale, floor, keys = scale.contiguous(), floor.contiguous(), keys.contiguous()
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     _gumbel_partials[(rows, blocks)](
-        logits, seed, partials, vocab, logits.stride(0), 1.0 / temperature, blocks, BLOCK=BLOCK, num_warps=8
+        logits, scale, floor, keys, partials, vocab, logits.stride(0), blocks, BLOCK=BLOCK, num_warps=8
     )
     _gumbel_finish[(rows,)](
-        partials, tokens, logprobs, blocks, BLOCK=BLOCK, BLOCKS=max(16, triton.next_power_of_2(blocks))
+        partials, scale, tokens, logprobs, blocks, BLOCK=BLOCK, BLOCKS=max(16, triton.next_power_of_2(blocks))
     )
     return tokens, logprobs
 
 
 @triton.jit
-def _lse_partials(logits_ptr, part_ptr, V, stride_row, scale_hi, scale_lo, num_blocks, BLOCK: tl.constexpr):
-    """Block `program_id(1)` of row `program_id(0)`: max and sum of exp of logits * scale, in float64; the scale
-    comes as two float32 parts (Triton passes a Python float as float32) whose float64 sum is exact."""
-    row, block, _, _, x = _scaled_block(logits_ptr, V, stride_row, 1.0, tl.float64, BLOCK)
-    x = tl.where(x == float("-inf"), x, x * scale_hi + x * scale_lo)  # (-inf) * (hi + lo) stays -inf
+def _lse_partials(logits_ptr, scale_ptr, floor_ptr, part_ptr, V, stride_row, num_blocks, BLOCK: tl.constexpr):
+    """Block `program_id(1)` of row `program_id(0)`: max and sum of exp of logits * scale over the entries at or
+    above the row's floor, in float64 (the scale is loaded as float64: a Python float would come as float32)."""
+    row, block, _, z = _row_block(logits_ptr, V, stride_row, BLOCK)
+    z32 = z.to(tl.float32)
+    keep = (z32 >= tl.load(floor_ptr + row)) & (z32 > float("-inf"))
+    x = tl.where(keep, z.to(tl.float64) * tl.load(scale_ptr + row), float("-inf"))
     m, s = _max_and_sum_exp(x)
     base = part_ptr + (row * num_blocks + block) * 2
     tl.store(base, m)
@@ -133,15 +151,16 @@ def _lse_finish(part_ptr, out_ptr, num_blocks, BLOCKS: tl.constexpr):
     tl.store(out_ptr + row, _combined_lse(m, s))
 
 
-def logsumexp_rows(logits: torch.Tensor, scale: float) -> torch.Tensor:
-    """float64 [R]: logsumexp(logits[r] * scale) for logits [R, V] of any float dtype, scaled and summed in
-    float64 (the SMC weights' precision)."""
+def logsumexp_rows(logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """float64 [R]: logsumexp of logits[r, v] * scale[r] (float64 [R]) over the v with logits[r, v] >= floor[r]
+    (float32 [R]; -inf keeps all), for logits [R, V] of any float dtype, scaled and summed in float64 (the SMC
+    weights' precision); -inf for a row with nothing kept."""
     logits, blocks, partials = _partials(logits, 2, torch.float64)
+    scale, floor = scale.contiguous(), floor.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.float64, device=logits.device)
-    hi = float(torch.tensor(scale, dtype=torch.float32))
     _lse_partials[(rows, blocks)](
-        logits, partials, vocab, logits.stride(0), hi, scale - hi, blocks, BLOCK=BLOCK, num_warps=8
+        logits, scale, floor, partials, vocab, logits.stride(0), blocks, BLOCK=BLOCK, num_warps=8
     )
     _lse_finish[(rows,)](partials, out, blocks, BLOCKS=max(16, triton.next_power_of_2(blocks)))
     return out

@@ -1,6 +1,6 @@
 """Resampling ancestors and final selection from log-weights, given the caller's uniforms.
 
-The functions are pure: the caller draws the uniforms from its seeded generator, so a run is
+The functions are pure: the caller draws the uniforms from its random streams, so a run is
 reproducible and the functions are testable against plain-Python references. Groups are rows
 of `logw` [G, N] (one SMC request = one group of N particles). A group of fewer particles (requests
 with different N in one batch) fills the first `counts[g]` columns; the rest are padding with log-weight
@@ -15,8 +15,13 @@ from hsmc.smc.weights import effective_sample_size
 
 
 def _inverse_cdf(logw: torch.Tensor, points: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-    """Particle index whose cumulative normalized weight first reaches each point in [0, 1)."""
-    cdf = torch.cumsum(torch.softmax(logw.double(), dim=-1), dim=-1)
+    """Particle index whose cumulative normalized weight first reaches each point in [0, 1). A group whose weights
+    are all 0 draws its particles uniformly (its log Ẑ is -inf: nothing of it is kept but the new start)."""
+    n = logw.shape[-1]
+    used = torch.arange(n, device=logw.device)[None, :] < (n if counts is None else counts[:, None])
+    dead = (torch.isneginf(logw) | ~used).all(-1, keepdim=True)
+    logw = torch.where(dead & used, 0.0, logw.double())
+    cdf = torch.cumsum(torch.softmax(logw, dim=-1), dim=-1)
     idx = torch.searchsorted(cdf, points.double(), right=True)
     last = logw.shape[-1] - 1 if counts is None else (counts - 1)[:, None]
     return idx.clamp_max(last)  # the cdf at the last particle may round to just below 1

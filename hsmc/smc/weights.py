@@ -1,16 +1,19 @@
 """Importance-weight increments of one SMC-SD cycle (DESIGN.md §3), the log-normalizer of a power
 draw, and the effective sample size.
 
-Per particle, with target logits L_0..L_K over [seed, d_1..d_K], proposal log-probs lq_j and
-power alpha at target temperature T:
-    inc_j = alpha * log_softmax(L_j / T)[d_j] - lq_j                      (j < K)
-    logZ  = logsumexp(alpha * L_K / T) - alpha * logsumexp(L_K / T)       (0 when alpha = 1)
+The target is p'^alpha, p' the target's law at the request's temperature T, cut to its top-k / top-p support (a
+floor on the raw logits; -inf: no cut). Per particle, with target logits L_0..L_K over [seed, d_1..d_K], proposal
+log-probs lq_j, scale s = 1/T and log p'_j(x) = s·L_j[x] − log Σ_{L_j[y] >= floor_j} exp(s·L_j[y]) on the support
+(−inf off it):
+    inc_j = alpha * log p'_j(d_j) - lq_j                                    (j < K)
+    logZ  = log Σ_x p'_K(x)^alpha                                           (0 when alpha = 1)
     delta = sum(inc[:kept]) + (logZ if the bonus is kept, i.e. kept = K + 1)
 `kept` (1..K+1) counts the cycle's new tokens [d_1..d_K, bonus] that belong to the output: all of
 them, or those up to the token that ends it (a stop token, the token completing a stop string, the
-max_new_tokens-th token). Tokens past the end never enter the weight, so the particle system
-targets p_T^alpha over the outputs as they are returned. Scoring uses the same tempered log-probs
-that the bonus is sampled from (a known accuracy trap is scoring with T = 1). Results are float64.
+max_tokens-th token). Tokens past the end never enter the weight, so the particle system
+targets p'^alpha over the outputs as they are returned. Scoring uses the same tempered, cut log-probs
+that the bonus is sampled from (a known accuracy trap is scoring with T = 1). A draft off the support weighs
+−inf: the particle is dropped at the next resampling. Results are float64.
 """
 
 from __future__ import annotations
@@ -18,25 +21,32 @@ from __future__ import annotations
 import torch
 
 
-def logsumexp_scaled(logits: torch.Tensor, scale: float) -> torch.Tensor:
-    """float64 logsumexp(scale · ℓ) over the last dim of logits [..., V]: one pass over the logits in a Triton
-    kernel on CUDA (`hsmc.ops.vocab`), torch on the CPU."""
+def logsumexp_scaled(logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """float64 logsumexp of scale · ℓ over the entries ℓ >= floor, for logits [..., V] and scale (float64) and floor
+    [...]: one pass over the logits in a Triton kernel on CUDA (`hsmc.ops.vocab`), torch on the CPU."""
     if logits.is_cuda:
         from hsmc.ops.vocab import logsumexp_rows
 
-        return logsumexp_rows(logits.reshape(-1, logits.shape[-1]), scale).view(logits.shape[:-1])
-    return torch.logsumexp(logits.double() * scale, -1)
+        flat = logits.reshape(-1, logits.shape[-1])
+        return logsumexp_rows(flat, scale.reshape(-1).double(), floor.reshape(-1).float()).view(logits.shape[:-1])
+    kept = logits.float() >= floor[..., None]
+    return torch.logsumexp(torch.where(kept, logits.double() * scale[..., None], float("-inf")), -1)
 
 
 def log_normalizer(
-    logits: torch.Tensor, alpha: float, temperature: float, lse: torch.Tensor | None = None
+    logits: torch.Tensor,
+    alpha: float,
+    scale: torch.Tensor,
+    floor: torch.Tensor,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log Σ_x p_T(x)^alpha for each row of logits [..., V]: the weight of a token drawn from softmax(alpha·ℓ/T)
-    in place of p_T^alpha (float64; 0 when alpha = 1). `lse`: logsumexp(ℓ/T) of the rows, if already known."""
+    """log Σ_x p'(x)^alpha for each row of logits [R, V] (scale and floor [R]): the weight of a token drawn from
+    p'^alpha normalized in place of p'^alpha (float64; 0 when alpha = 1). `lse`: logsumexp(scale·ℓ) over the
+    support, if already known."""
     if alpha == 1:
         return torch.zeros(logits.shape[:-1], dtype=torch.float64, device=logits.device)
-    lse = logsumexp_scaled(logits, 1 / temperature) if lse is None else lse
-    return logsumexp_scaled(logits, alpha / temperature) - alpha * lse
+    lse = logsumexp_scaled(logits, scale, floor) if lse is None else lse
+    return logsumexp_scaled(logits, alpha * scale, floor) - alpha * lse
 
 
 def weight_increments(
@@ -45,21 +55,26 @@ def weight_increments(
     draft_logq: torch.Tensor,
     kept: torch.Tensor,
     alpha: float,
-    temperature: float,
+    scale: torch.Tensor,
+    floor: torch.Tensor,
 ) -> torch.Tensor:
-    """delta log-weight float64 [N] for target_logits [N, K+1, V] (any float dtype), drafts/logq [N, K] and kept
-    [N] in 1..K+1. The log-sum-exps are float64 reductions that never hold a float64 copy of the logits (at 128
-    particles x 9 positions of a 152k vocabulary such copies took ~4 GB on an H200)."""
+    """delta log-weight float64 [N] for target_logits [N, K+1, V] (any float dtype), drafts/logq [N, K], kept [N] in
+    1..K+1, scale [N] (float64 1/T) and floor [N, K+1]. The log-sum-exps are float64 reductions that never hold a
+    float64 copy of the logits (at 128 particles x 9 positions of a 152k vocabulary such copies took ~4 GB on an
+    H200)."""
     k = draft_tokens.shape[1]
-    lse = logsumexp_scaled(target_logits, 1 / temperature)  # [N, K+1]
-    drafted = target_logits[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1).double() / temperature
+    per_position = scale[:, None].expand(-1, k + 1)
+    lse = logsumexp_scaled(target_logits, per_position, floor)  # [N, K+1]
+    at = target_logits[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    drafted = torch.where(at.float() >= floor[:, :k], at.double() * scale[:, None], float("-inf"))
     inc = alpha * (drafted - lse[:, :k]) - draft_logq.double()
     counted = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
-    log_z = log_normalizer(target_logits[:, k], alpha, temperature, lse[:, k])
+    log_z = log_normalizer(target_logits[:, k], alpha, scale, floor[:, k], lse[:, k])
     return torch.where(counted, inc, 0.0).sum(1) + torch.where(kept > k, log_z, 0.0)
 
 
 def effective_sample_size(logw: torch.Tensor) -> torch.Tensor:
-    """ESS = 1 / sum(w~^2) with w~ = softmax(logw) over the last dim (particles of a group)."""
+    """ESS = 1 / sum(w~^2) with w~ = softmax(logw) over the last dim (particles of a group); 0 for a group whose
+    weights are all 0 (every particle left its target's support)."""
     w = torch.softmax(logw.double(), dim=-1)
-    return 1.0 / (w * w).sum(-1)
+    return torch.nan_to_num(1.0 / (w * w).sum(-1), nan=0.0)
