@@ -1,8 +1,8 @@
 """Serving on the GPU, with random weights of the Qwen3 shapes: no capture inside the first requests, and HTTP
 against in-process throughput.
 
-For each stack it prints, in one run on one GPU, with the KV pool sized automatically and `engine.warmup` on (as
-`hsmc serve` runs):
+For each stack it prints, in one run on one GPU, with `engine.warmup` on as `hsmc serve` runs (and the KV pool sized
+automatically but for the hierarchical stack):
 - the time to load and warm up, then 20 identical requests: max / median latency (target <= 1.15);
 - 16 concurrent requests through `hsmc serve`'s app over HTTP (loopback, streaming, the clients in a process of
   their own as real clients are) against the same 16 requests through in-process `generate`: tok/s in all and
@@ -60,7 +60,8 @@ STACKS = {
             {"kind": "smc", "model": "random:qwen3-32b", "dtype": "fp8", "temperature": 1.0, "particles": 6,
              "block_size": 16},
         ],
-        {"max_batch_rows": 96, "fp8_activations": True},
+        # auto-sized KV ran out of memory in this warmup on an H100 (docs/measurements/...-h100-serve-bench.txt)
+        {"max_batch_rows": 96, "fp8_activations": True, "kv_capacity_tokens": 16000},
     ),
 }  # fmt: skip
 CLIENTS = 16
