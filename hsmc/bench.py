@@ -40,7 +40,8 @@ from hsmc.errors import ConfigError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
 from hsmc.models.loading import COMPUTE_DTYPES, LoadedModel
-from hsmc.models.shapes import SHAPES, hf_config, random_model, weight_bytes
+from hsmc.models.shapes import SHAPES, hf_config, random_model
+from hsmc.models.size import weight_bytes
 
 
 @dataclass

@@ -32,7 +32,8 @@ from hsmc.models.loading import (
     resolve_folder,
     safetensors_files,
 )
-from hsmc.models.shapes import SHAPES, hf_config, random_shape, weight_bytes
+from hsmc.models.shapes import SHAPES, hf_config, random_shape
+from hsmc.models.size import weight_bytes
 from hsmc.models.tokenizer import encode_prompt, load_tokenizer
 from hsmc.models.weight_loader import fp8_format
 from hsmc.ops.fp8_linear import QWEN_BLOCK, layer_linears, swap_for_fp8

@@ -106,7 +106,8 @@ from hsmc.engine.kv_pool import BlockTables, SlotAllocator  # noqa: E402
 from hsmc.engine.runner import ModelRunner  # noqa: E402
 from hsmc.models.config import DecoderConfig  # noqa: E402
 from hsmc.models.loading import load_model  # noqa: E402
-from hsmc.models.shapes import hf_config, random_model, weight_bytes  # noqa: E402
+from hsmc.models.shapes import hf_config, random_model  # noqa: E402
+from hsmc.models.size import weight_bytes  # noqa: E402
 from hsmc.ops.backend import HeadLayout, Rope, TorchBackend  # noqa: E402
 from hsmc.ops.batch import ForwardBatch, padded_columns  # noqa: E402
 from hsmc.ops.kv_cache import KVCache  # noqa: E402
@@ -252,8 +253,8 @@ def check_vocab() -> None:
     import triton
     from scipy.stats import chisquare
 
-    from hsmc.engine.random_streams import combine
-    from hsmc.engine.sampler import draw
+    from hsmc.ops.backend import TorchBackend
+    from hsmc.ops.counter_hash import combine
     from hsmc.ops.vocab import gumbel_max, logsumexp_rows
 
     say("== vocabulary kernels: Gumbel-max draws and float64 log-sum-exps over 151,936 logits ==")
@@ -280,8 +281,9 @@ def check_vocab() -> None:
     eight = logits[:8]
     one, none, eight_keys = per_row(1.0, 8), per_row(-math.inf, 8), keys[:8]
     draw_ms = triton.testing.do_bench(lambda: gumbel_max(eight, one, none, eight_keys), return_mode="median")
-    torch_ms = triton.testing.do_bench(lambda: draw(eight.cpu(), one.cpu(), none.cpu(), eight_keys.cpu()),
-                                       return_mode="median")  # fmt: skip
+    reference = TorchBackend()
+    on_cpu = eight.cpu(), one.cpu(), none.cpu(), eight_keys.cpu()
+    torch_ms = triton.testing.do_bench(lambda: reference.gumbel_max(*on_cpu), return_mode="median")
     ones64, none72 = per_row(1.0, 72, torch.float64), per_row(-math.inf, 72)
     lse_ms = triton.testing.do_bench(lambda: logsumexp_rows(logits, ones64, none72), return_mode="median")
     lse_torch_ms = triton.testing.do_bench(lambda: torch.logsumexp(logits.double(), -1), return_mode="median")

@@ -9,8 +9,7 @@ automatically but for the hierarchical stack):
   their ratio (target >= 0.9), time to first token p50 / p99 of each, and whether every HTTP output equals the
   in-process one (same seeds);
 - the rows `engine.max_batch_rows: auto` would give the stack on this GPU.
-Before that, tiny stacks on CUDA against the CPU (greedy token equality), a seeded request alone vs amid others on
-CUDA, and synchronizing calls inside generate().
+(Tiny stacks on CUDA against the CPU, graphed against eager, and the synchronizing calls: `python -m pytest -m gpu`.)
 
     python scripts/serve_bench.py --out DIR [--stacks 8b,smc,hierarchical] [--new-tokens 64]
 """
@@ -24,10 +23,8 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -75,71 +72,6 @@ def say(line: str, log: list[str]) -> None:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def tiny_checks(log: list[str]) -> dict:
-    """Greedy CUDA == CPU for tiny model / rejection / eagle3 / smc stacks, a seeded request alone vs amid others on
-    CUDA, and the synchronizing calls of generate()."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from conftest import TINY_CONFIGS, make_tiny_model
-    from test_eagle_checkpoint import published_layout
-
-    root = Path(tempfile.mkdtemp())
-    small, big = make_tiny_model("llama", root / "s", seed=1), make_tiny_model("llama", root / "b", seed=2)
-    llama = TINY_CONFIGS["llama"]
-    sizes = (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], 16, 96, 101, 40)
-    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=sizes, scale=0.3)
-    stacks = {
-        "model": [{"model": str(big)}],
-        "rejection": [{"model": str(small)}, {"kind": "rejection", "model": str(big), "num_draft_tokens": 4}],
-        "eagle3": [{"kind": "eagle3", "model": str(head)}, {"kind": "rejection", "model": str(big)}],
-        "smc": [{"model": str(small), "temperature": 1.0},
-                {"kind": "smc", "model": str(big), "temperature": 1.0, "particles": 4, "block_size": 3}],
-        "hierarchical": [{"kind": "eagle3", "model": str(head), "temperature": 1.0},
-                         {"kind": "rejection", "model": str(small), "temperature": 1.0},
-                         {"kind": "smc", "model": str(big), "temperature": 1.0, "particles": 4, "block_size": 6}],
-    }  # fmt: skip
-    prompts = [[3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2], [11, 12]]
-    out = {}
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for name, levels in stacks.items():
-        engine = {"kv_capacity_tokens": 4096, "max_batch_rows": 32}
-        cuda = HierarchicalDecoder.from_config({"levels": levels, "engine": {**engine, "device": "cuda"}})
-        row = {}
-        if name in ("model", "rejection", "eagle3"):  # greedy: the CPU is the oracle
-            cpu = HierarchicalDecoder.from_config({"levels": levels, "engine": engine})
-            want = [r.token_ids for r in cpu.generate(prompts, max_new_tokens=24, ignore_eos=True)]
-            cuda.generate(prompts, max_new_tokens=24, ignore_eos=True)  # captures graphs
-            got = synced(cuda, lambda: cuda.generate(prompts, max_new_tokens=24, ignore_eos=True))
-            row["greedy_equal"] = [r.token_ids for r in got[0]] == want
-            row["syncs"] = got[1]
-            cpu.close()
-        mine = SamplingParams(seed=42, max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95)
-        alone = cuda.generate([[3, 4, 5]], params=mine)[0]
-        others = [SamplingParams(seed=s, max_tokens=m, ignore_eos=True) for s, m in ((1, 5), (2, 31), (3, 12))]
-        batch = [[9], [1, 2, 3], [3, 4, 5], [6]]
-        amid, syncs = synced(cuda, lambda: cuda.generate(batch, params=[others[0], others[1], mine, others[2]]))
-        row["seeded_alone_equals_amid"] = amid[2].token_ids == alone.token_ids
-        row["syncs_seeded"] = syncs
-        row["slots_in_use_after"] = cuda.kv_slots_in_use()
-        cuda.close()
-        out[name] = row
-        say(f"tiny {name}: {row}", log)
-    return out
-
-
-def synced(decoder: HierarchicalDecoder, fn):
-    """fn() under torch.cuda.set_sync_debug_mode('warn'): its result and the places that synchronized (the decode
-    loop runs on its own thread; the warnings module records every thread's)."""
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = fn()
-            decoder.driver.quiesce()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return result, sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
 
 
 def timed_generate(decoder: HierarchicalDecoder, prompts, params) -> tuple[float, list]:
@@ -292,7 +224,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--stacks", default="8b,smc,hierarchical")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--one", help="run this stack alone (the parent runs each stack so)")
     args = parser.parse_args()
     out, log = Path(args.out), []
@@ -302,8 +233,6 @@ def main() -> None:
         return
     say(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}", log)
     results = {"device": torch.cuda.get_device_name()}
-    if not args.skip_tiny:
-        results["tiny"] = tiny_checks(log)
     for name in args.stacks.split(","):  # each stack in a process of its own: its GPU memory is all free after
         one = out / f"{name}.json"
         command = [sys.executable, __file__, "--one", name, "--out", str(out), "--new-tokens", str(args.new_tokens)]

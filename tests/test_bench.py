@@ -11,7 +11,8 @@ from helpers import make_runner, run_new_tokens
 from hsmc.bench import hf_twin
 from hsmc.cli import main
 from hsmc.models.config import DecoderConfig
-from hsmc.models.shapes import SHAPES, hf_config, random_model, weight_bytes
+from hsmc.models.shapes import SHAPES, hf_config, random_model
+from hsmc.models.size import weight_bytes
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))

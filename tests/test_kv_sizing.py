@@ -14,7 +14,7 @@ from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
 from hsmc.engine.kv_sizing import MARGIN, RESERVE_BYTES, auto_capacity, most_useful_tokens, reserve_bytes
 from hsmc.errors import KVCapacityError
-from hsmc.models.shapes import weight_bytes
+from hsmc.models.size import weight_bytes
 from hsmc.preflight import check_before_loading
 
 GIB = 2**30

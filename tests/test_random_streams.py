@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from scipy.stats import kstest
 
-from hsmc.engine.random_streams import RENEW, RowStreams, combine, gumbel, mix, uniform
+from hsmc.engine.random_streams import RENEW, RowStreams
+from hsmc.ops.counter_hash import combine, gumbel, mix, uniform
 
 
 def test_mix_is_splitmix64_and_an_int_hashes_as_its_tensor():

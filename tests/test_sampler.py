@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hsmc.engine.random_streams import combine
 from hsmc.engine.sampler import RowLaws
+from hsmc.ops.counter_hash import combine
 
 LOGITS = torch.tensor([2.0, 0.5, -1.0, 1.2, 0.0, -3.0, 1.9, 0.3])
 

@@ -5,6 +5,7 @@ same comparisons compiled on the GPU over real sizes and context lengths up to 8
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -420,6 +421,53 @@ def test_greedy_decode_through_triton_equals_reference(tmp_path):
         cfg = {"levels": [{"model": str(path)}], "engine": {"device": DEVICE, "attention": attention}}
         outputs.append(HierarchicalDecoder.from_config(cfg).generate(prompts, max_new_tokens=6, ignore_eos=True))
     assert [r.token_ids for r in outputs[0]] == [r.token_ids for r in outputs[1]]
+
+
+def test_greedy_rejection_stack_through_triton_equals_the_reference(tmp_path):
+    """Every device step of a stack runs through its backend (token rows, KV slots appended and rolled back, the
+    draws): a greedy rejection stack through the Triton backend decodes the reference's tokens. (Sampled draws
+    differ by design: the Triton sampler's noise comes from Philox counters, the reference's from splitmix64.)"""
+    small, big = make_tiny_model("qwen3", tmp_path / "s", seed=3), make_tiny_model("qwen3", tmp_path / "b", seed=4)
+    levels = [{"model": str(small)}, {"kind": "rejection", "model": str(big), "num_draft_tokens": 2}]
+    outputs = []
+    for attention in ("triton", "torch"):
+        cfg = {"levels": levels, "engine": {"device": DEVICE, "attention": attention}}
+        outputs.append(HierarchicalDecoder.from_config(cfg).generate([[5, 9, 13]], max_new_tokens=5))
+    assert [r.token_ids for r in outputs[0]] == [r.token_ids for r in outputs[1]]
+
+
+def test_backends_agree_on_the_device_steps_around_a_forward():
+    """The Triton backend's row steps equal `TorchBackend`'s (the reference) on the same state: pending tokens and
+    appended tokens, KV slots appended and rolled back, greedy draws, float64 log-sum-exps."""
+    from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+    from hsmc.levels.base import TokenRows
+
+    triton_backend, reference = TritonBackend(), TorchBackend()
+    rows = torch.tensor([0, 2, 3])
+    states = [TokenRows(4, 12, torch.device(DEVICE), b) for b in (triton_backend, reference)]
+    tables = [BlockTables(SlotAllocator(40, DEVICE), 4, 12, b) for b in (triton_backend, reference)]
+    for state, table in zip(states, tables):
+        state.load_prompts(rows, [[1, 2, 3], [4], [5, 6, 7, 8, 9]])
+        state.append(rows, torch.tensor([[10, 11], [12, 13], [14, 15]]))
+        table.append(rows, torch.tensor([3, 1, 5]), 5)
+        table.append(rows, torch.tensor([2, 2, 0]), 2)
+        table.rollback(rows, torch.tensor([1, 0, 2]), 2)
+        table.truncate(rows, torch.tensor([4, 1, 2]), 3)
+    pending = [b.pending_tokens(s.seq, s.seq_len, t.length, rows, 1, 6) for b, s, t in
+               zip((triton_backend, reference), states, tables)]  # fmt: skip
+    for got, want in zip(*pending):
+        assert torch.equal(got, want)
+    assert torch.equal(states[0].seq, states[1].seq) and torch.equal(states[0].seq_len, states[1].seq_len)
+    for name in ("table", "length"):
+        assert torch.equal(getattr(tables[0], name), getattr(tables[1], name))
+    assert torch.equal(tables[0].allocator.refcount, tables[1].allocator.refcount)
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    zero, none, keys = torch.zeros(5, device=DEVICE), torch.full((5,), -math.inf, device=DEVICE), torch.arange(5)
+    greedy = [b.gumbel_max(logits, zero, none, keys.to(DEVICE)) for b in (triton_backend, reference)]
+    assert torch.equal(greedy[0][0], greedy[1][0]) and torch.equal(greedy[0][1], greedy[1][1])
+    scale, floor = torch.linspace(0.5, 2.0, 5, dtype=torch.float64, device=DEVICE), logits.median(-1).values
+    lse = [b.logsumexp_rows(logits, scale, floor) for b in (triton_backend, reference)]
+    assert lse[0].dtype == torch.float64 and (lse[0] - lse[1]).abs().max() < 1e-9
 
 
 def test_eagle3_head_through_triton_keeps_its_hidden_input(tmp_path):

@@ -13,21 +13,16 @@ or drops) are per-row counts on the device, applied through masks and weighted r
 is 0; allocation takes the lowest-numbered free slots through a cumulative sum, so there is no
 free list to keep consistent. Slot id `num_slots` is the trash slot: padding writes and masked-out
 updates go there. Misuse (out of slots, table overflow, double free) is caught by
-`torch._assert_async`, which raises at once on the CPU and without a sync on the GPU. On CUDA the
-append before every forward runs as two Triton kernels and a rollback as one (`hsmc.ops.kv_slots`), these ops
-their reference.
+`torch._assert_async`, which raises at once on the CPU and without a sync on the GPU. The append before every
+forward and the rollbacks run through the stack's backend: torch ops (the reference, `TorchBackend`) or two
+Triton kernels and one (`hsmc.ops.kv_slots`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hsmc.ops.batch import padded_columns
-
-OUT_OF_SLOTS = "KV pool out of slots: raise engine.kv_capacity_tokens"
-ROW_OVERFLOW = "row longer than its block table (engine.kv_capacity_tokens)"
-BAD_ROLLBACK = "bad rollback count"
-OVER_RELEASED = "KV slot released more often than it was referenced"
+from hsmc.ops.backend import OUT_OF_SLOTS, OVER_RELEASED, Backend, TorchBackend
 
 
 class SlotAllocator:
@@ -94,8 +89,11 @@ class BlockTables:
     at it) and column `max_row_tokens` a trash column for masked-out writes.
     """
 
-    def __init__(self, allocator: SlotAllocator, max_rows: int, max_row_tokens: int) -> None:
+    def __init__(
+        self, allocator: SlotAllocator, max_rows: int, max_row_tokens: int, backend: Backend | None = None
+    ) -> None:
         self.allocator = allocator
+        self.backend = backend or TorchBackend()  # appends and rollbacks: the stack's device steps
         self.max_rows = max_rows
         self.max_row_tokens = max_row_tokens
         device = allocator.device
@@ -122,51 +120,17 @@ class BlockTables:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Allocate counts[i] <= width new slots at the end of row rows[i]; returns them [R, width] (trash past
         counts[i]), each row's length before (start [R]) and the new tokens' columns [R, width] (padding repeats
-        a row's last: `padded_columns`). On CUDA two kernels do it all (`hsmc.ops.kv_slots`); these ops are
-        their reference."""
-        if self.table.is_cuda:
-            from hsmc.ops.kv_slots import append_slots
-
-            slots, start, columns, ok = append_slots(
-                self.allocator.refcount, self.table, self.length, rows, counts, width, self.max_row_tokens
-            )
-            torch._assert_async(ok[0], OUT_OF_SLOTS)
-            torch._assert_async(ok[1], ROW_OVERFLOW)
-            return slots, start, columns
-        start = self.length[rows]
-        torch._assert_async((start + counts <= self.max_row_tokens).all(), ROW_OVERFLOW)
-        slots = self.allocator.alloc(counts, width)
-        cols = start[:, None] + torch.arange(width, device=rows.device)
-        cols = torch.where(cols < (start + counts)[:, None], cols, self.max_row_tokens)
-        self.table[rows[:, None], cols] = slots
-        self.length[rows] = start + counts
-        return slots, start, padded_columns(start, counts, width)
+        a row's last: `padded_columns`). Two Triton kernels with the Triton backend (`hsmc.ops.kv_slots`)."""
+        return self.backend.append_slots(self, rows, counts, width)
 
     def rollback(self, rows: torch.Tensor, counts: torch.Tensor, max_count: int) -> None:
-        """Drop the last `counts[i]` tokens of `rows[i]` (0 <= counts <= max_count, a host-known bound; rows unique).
-        On CUDA one kernel (`hsmc.ops.kv_slots.rollback_slots`); these ops are its reference."""
-        if self.table.is_cuda:
-            return self._rollback_on_device(rows, counts, max_count, to_length=False)
-        end = self.length[rows]
-        torch._assert_async(((counts >= 0) & (counts <= end) & (counts <= max_count)).all(), BAD_ROLLBACK)
-        back = torch.arange(1, max_count + 1, device=rows.device)
-        cols = (end[:, None] - back[None, :]).clamp_min(0)  # [R, max_count], last column first
-        dropped = back[None, :] <= counts[:, None]
-        self.allocator.add_refs(self.table[rows[:, None], cols], -dropped.to(torch.int32))
-        self.length[rows] = end - counts
+        """Drop the last `counts[i]` tokens of `rows[i]` (0 <= counts <= max_count, a host-known bound; rows
+        unique)."""
+        self.backend.rollback_slots(self, rows, counts, max_count, to_length=False)
 
     def truncate(self, rows: torch.Tensor, new_length: torch.Tensor, max_drop: int) -> None:
         """Cut each row back to at most new_length[i] tokens (rows already shorter keep theirs)."""
-        if self.table.is_cuda:
-            return self._rollback_on_device(rows, new_length, max_drop, to_length=True)
-        self.rollback(rows, (self.length[rows] - new_length).clamp_min(0), max_drop)
-
-    def _rollback_on_device(self, rows: torch.Tensor, values: torch.Tensor, max_drop: int, to_length: bool) -> None:
-        from hsmc.ops.kv_slots import rollback_slots
-
-        ok = rollback_slots(self.allocator.refcount, self.table, self.length, rows, values, max_drop, to_length)
-        torch._assert_async(ok[0], BAD_ROLLBACK)
-        torch._assert_async(ok[1], OVER_RELEASED)
+        self.backend.rollback_slots(self, rows, new_length, max_drop, to_length=True)
 
     def release(self, rows: torch.Tensor, max_len: int | None = None) -> None:
         """Give up every slot of `rows` (each at most `max_len` long, when given); they become empty rows."""

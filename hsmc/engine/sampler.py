@@ -8,8 +8,8 @@ the law of its rows (`RowLaws`): its configured temperature, and for the top lev
 
 A draw is argmax(ℓ·s + g) over the kept tokens, g ~ Gumbel(0, 1) from the row's key (`random_streams`): exact, no
 host sync, no `torch.multinomial`, and the log-probability comes from the same scaled logits, so the value a level
-reports upward is the one it sampled from. On CUDA a draw is one pass over the logits in Triton
-(`hsmc.ops.vocab.gumbel_max`); on the CPU, torch ops (the reference).
+reports upward is the one it sampled from. The draw runs through the stack's backend: one pass over the logits in
+Triton (`hsmc.ops.vocab.gumbel_max`), or torch ops (`TorchBackend`, the reference).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from hsmc.engine.host_io import upload
-from hsmc.engine.random_streams import gumbel
 from hsmc.engine.round_graphs import GraphParts, HostField
+from hsmc.ops.backend import Backend, TorchBackend
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Law:
     greedy: bool  # every row has T = 0
     some_greedy: bool  # some row has T = 0
     truncates: bool  # some row has top_k or top_p
+    backend: Backend  # whose Gumbel-max pass draws
 
     def scale(self, power: float = 1.0) -> torch.Tensor:
         """power / T per row (float32 [R]); 0 for a greedy row."""
@@ -75,25 +76,7 @@ class Law:
         """One draw per row of logits [R, V] from p'^power (normalized; power > 0) with noise keyed by `keys` [R]:
         (tokens int64 [R], log-probabilities of the drawn tokens under p'^power, float32 [R]); a greedy row gives
         its argmax and 0."""
-        return draw(logits, self.scale(power), self.floors(logits), keys)
-
-
-def draw(
-    logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """argmax(ℓ·scale + g) over the entries ℓ >= floor (scale 0: the plain argmax, log-probability 0) per row of
-    logits [R, V], and the drawn entry's log_softmax: the one primitive every draw goes through."""
-    if logits.is_cuda:  # one pass over the logits
-        from hsmc.ops.vocab import gumbel_max
-
-        return gumbel_max(logits, scale.float(), floor.float(), keys)
-    x = logits.float()
-    scaled = torch.where(x >= floor[:, None], x * scale[:, None], float("-inf"))
-    greedy = scale == 0
-    score = torch.where(greedy[:, None], x, scaled + gumbel(keys, x.shape[-1]))
-    tokens = score.argmax(-1)
-    logprobs = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, torch.where(greedy, 0.0, logprobs)
+        return self.backend.gumbel_max(logits, self.scale(power), self.floors(logits), keys)
 
 
 class RowLaws:
@@ -101,9 +84,10 @@ class RowLaws:
     rows (the top level's). The host keeps what it assigned, so a step knows whether any row truncates or samples
     without reading the device."""
 
-    def __init__(self, temperature: float, max_rows: int, device: torch.device) -> None:
+    def __init__(self, temperature: float, max_rows: int, device: torch.device, backend: Backend | None = None) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.backend = backend or TorchBackend()  # the stack's: its draws run as its other device steps
         self.default = temperature
         self.temperature = torch.full((max_rows + 1,), temperature, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
@@ -132,7 +116,7 @@ class RowLaws:
 
     def at(self, rows: torch.Tensor) -> Law:
         return Law(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy, self.some_greedy,
-                   self.truncates)  # fmt: skip
+                   self.truncates, self.backend)  # fmt: skip
 
     def graph_parts(self) -> GraphParts:
         """Its host facts are keys of a captured round: what the round's code branches on."""

@@ -38,6 +38,7 @@ from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.block_fill import BlockFill
+from hsmc.ops.backend import Backend, TorchBackend, sequence_window
 
 
 @dataclass
@@ -150,7 +151,8 @@ def masked_accept(
 class TokenRows:
     """Per-row token sequences on the device with a host-side length bound (an EAGLE3 level's view)."""
 
-    def __init__(self, max_rows: int, capacity: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, capacity: int, device: torch.device, backend: Backend | None = None) -> None:
+        self.backend = backend or TorchBackend()  # its appends and windows run as the stack's other device steps
         self.seq = torch.zeros(max_rows + 1, capacity + 1, dtype=torch.int64, device=device)
         self.seq_len = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.capacity = capacity
@@ -163,17 +165,8 @@ class TokenRows:
         self.len_bound = max(self.len_bound, tokens.shape[1])
 
     def append(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Append tokens [R, m] to the rows' sequences (one kernel on CUDA: `hsmc.ops.token_rows`)."""
-        if self.seq.is_cuda:
-            from hsmc.ops.token_rows import append_tokens
-
-            append_tokens(self.seq, self.seq_len, rows, tokens)
-        else:
-            cols = (self.seq_len[rows][:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp_max(
-                self.capacity
-            )
-            self.seq[rows[:, None], cols] = tokens
-            self.seq_len[rows] += tokens.shape[1]
+        """Append tokens [R, m] to the rows' sequences."""
+        self.backend.append_tokens(self.seq, self.seq_len, rows, tokens)
         self.len_bound += tokens.shape[1]
 
     def set_token(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None:
@@ -184,9 +177,7 @@ class TokenRows:
 
     def window(self, rows: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
         """seq[row, start + j] for j < count (0 past it): [R, width]."""
-        offsets = torch.arange(width, device=rows.device)
-        cols = (start[:, None] + offsets).clamp(0, self.capacity)
-        return torch.where(offsets[None, :] < count[:, None], self.seq[rows[:, None], cols], 0)
+        return sequence_window(self.seq, rows, start, count, width)
 
     def bound_lengths(self, bound: int) -> None:
         """Every row is known to be at most `bound` tokens long (the driver read it, or prompts were just loaded)."""
@@ -222,7 +213,7 @@ class SequenceState(TokenRows):
     pending tokens, timed per level."""
 
     def __init__(self, runner: ModelRunner, max_rows: int, capacity: int, prefill_chunk_tokens: int = 8192) -> None:
-        super().__init__(max_rows, capacity, runner.device)
+        super().__init__(max_rows, capacity, runner.device, runner.backend)
         self.runner = runner
         self.prefill_chunk_tokens = prefill_chunk_tokens  # engine.prefill_chunk_tokens
         self.timer = ForwardTimer(runner.device)
@@ -295,14 +286,8 @@ class SequenceState(TokenRows):
 
     def pending(self, rows: torch.Tensor, leave: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's KV length, how many of its tokens past it wait for a forward (all but the last `leave`),
-        and those tokens padded to `width`: (start, count, tokens [R, width]). One kernel on CUDA."""
-        if self.seq.is_cuda:
-            from hsmc.ops.token_rows import pending_tokens
-
-            return pending_tokens(self.seq, self.seq_len, self.kv_len, rows, leave, width)
-        start = self.kv_len[rows]
-        count = (self.seq_len[rows] - leave - start).clamp_min(0)
-        return start, count, self.window(rows, start, count, width)
+        and those tokens padded to `width`: (start, count, tokens [R, width])."""
+        return self.backend.pending_tokens(self.seq, self.seq_len, self.kv_len, rows, leave, width)
 
     def _run(
         self, rows: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, last_only: bool

@@ -58,7 +58,7 @@ class Eagle3Level:
         self.max_new_pairs = max_new_pairs
         self.max_bridged = max_bridged
         self.laws, self.streams, self.draw = laws, streams, purpose_of(salt, DRAW)
-        self.state = TokenRows(max_rows, capacity, device)
+        self.state = TokenRows(max_rows, capacity, device, runner.backend)
         self.timer = ForwardTimer(device)
         h, dtype = cfg.hidden_size, self.head.fc.weight.dtype
         self.window = feature_window

@@ -29,12 +29,13 @@ from __future__ import annotations
 import torch
 
 from hsmc.engine.host_io import read_counters
-from hsmc.engine.random_streams import ACCEPT, RESIDUAL, RowStreams, purpose_of, uniform
+from hsmc.engine.random_streams import ACCEPT, RESIDUAL, RowStreams, purpose_of
 from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
-from hsmc.engine.sampler import RowLaws, draw
+from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput, masked_accept
 from hsmc.levels.block_fill import BlockFill
-from hsmc.models.shapes import weight_bytes
+from hsmc.models.size import weight_bytes
+from hsmc.ops.counter_hash import uniform
 
 
 class RejectionLevel:
@@ -297,5 +298,5 @@ class RejectionLevel:
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[index, accepted])
         ones, no_floor = torch.ones_like(p_d[:, 0]), torch.full_like(p_d[:, 0], float("-inf"))
         keys = self.streams.keys(rows, self.residual_purpose, base + accepted)
-        token, _ = draw(residual.log(), ones, no_floor, keys)
+        token, _ = self.laws.backend.gumbel_max(residual.log(), ones, no_floor, keys)
         return accepted, token

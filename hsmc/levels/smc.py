@@ -44,12 +44,13 @@ from dataclasses import dataclass
 import torch
 
 from hsmc.engine.host_io import PendingRead, read_counters, upload
-from hsmc.engine.random_streams import DRAW, RESAMPLE, SELECT, RowStreams, purpose_of, uniform
+from hsmc.engine.random_streams import DRAW, RESAMPLE, SELECT, RowStreams, purpose_of
 from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
-from hsmc.engine.sampler import Law, RowLaws, draw
+from hsmc.engine.sampler import Law, RowLaws
 from hsmc.engine.tops import Group, Launch, Settled
 from hsmc.levels.base import Level, SequenceState
-from hsmc.models.shapes import weight_bytes
+from hsmc.models.size import weight_bytes
+from hsmc.ops.counter_hash import uniform
 from hsmc.smc.ends import output_ends
 from hsmc.smc.resampling import resampling_plan, select_particle
 from hsmc.smc.weights import effective_sample_size, log_normalizer, weight_increments
@@ -205,7 +206,7 @@ class SMCLevel:
         x0, _ = law.sample(per_row, self.streams.keys(rows, self.draw, prompt_len), p.alpha)  # p'^α normalized
         self.state.append(rows, x0[:, None])
         self.proposal.accept(rows, prompt_len, x0, features and features.take(group_of_row))
-        self.logw[rows] = log_normalizer(per_row, p.alpha, _scale(law), law.floors(per_row))
+        self.logw[rows] = log_normalizer(per_row, p.alpha, _scale(law), law.floors(per_row), backend=law.backend)
         slots = self._index([g.slot for g in groups])
         self.log_z.index_fill_(0, slots, 0.0)
         self.counts[slots] = self._index([g.particles for g in groups])
@@ -367,7 +368,8 @@ class SMCLevel:
         target = step.last(k + 1)  # L_0..L_K, in the model's dtype (weighed without a float64 copy)
         law = self.laws.at(rows)
         floors = law.floors(target)  # [R, K+1]: each position's support
-        bonus, _ = draw(target[:, k], law.scale(p.alpha), floors[:, k], self.streams.keys(rows, self.draw, base + k))
+        keys = self.streams.keys(rows, self.draw, base + k)
+        bonus, _ = law.backend.gumbel_max(target[:, k], law.scale(p.alpha), floors[:, k], keys)
         # a deferred row drops its drafts and its seed's KV: the seed is processed again next cycle
         keep_len = torch.where(go, base + k, base - 1)
         self.state.truncate(rows, keep_len, torch.where(go, bonus, seed), max_drop=k + 1)
@@ -387,7 +389,7 @@ class SMCLevel:
         kept = torch.where(counted, kept, 0)
         if step.scores is not None:
             target, draft, logq, scale, floors = step.scores
-            delta = weight_increments(target, draft, logq, kept, self.params.alpha, scale, floors)
+            delta = weight_increments(target, draft, logq, kept, self.params.alpha, scale, floors, self.laws.backend)
             self.logw.index_add_(0, rows, delta)
             step.scores = None  # the target logits [R, K+1, V] are not needed past here
         self.generated.index_add_(0, rows, kept)

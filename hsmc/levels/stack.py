@@ -115,7 +115,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
         return loaded[key]
 
     def tables() -> BlockTables:
-        return BlockTables(SlotAllocator(capacity, device), rows, capacity)
+        return BlockTables(SlotAllocator(capacity, device), rows, capacity, backend)
 
     def head_of(lc: LevelConfig) -> tuple[Any, Any]:
         shape = random_shape(lc.model)
@@ -136,7 +136,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
     for i, lc in enumerate(cfg.levels):
         # a level's draws are salted by its depth under the top: the top draws the same stream in every stack (an
         # smc top with K = 0 and N = 1 gives exactly its model's samples)
-        laws, salt = RowLaws(lc.temperature, rows, device), len(cfg.levels) - 1 - i
+        laws, salt = RowLaws(lc.temperature, rows, device, backend), len(cfg.levels) - 1 - i
         if lc.kind == "eagle3":
             above = cfg.levels[i + 1]
             verifier = model_of(above).model

@@ -147,9 +147,3 @@ def random_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = torch.tensor(config.inv_freq, dtype=torch.float32, device=device)
     return model.eval().requires_grad_(False)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter (a tied embedding counts once)."""
-    seen = {id(p): p.numel() * p.element_size() for p in model.parameters()}
-    return sum(seen.values())

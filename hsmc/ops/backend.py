@@ -10,19 +10,34 @@ into a query; paged attention. A `linear` module is an `nn.Linear` (or `FusedLin
 device, the CPU oracle, differentiable; the Triton backend (`hsmc.ops.triton_backend`) must match it.
 `prepare` runs once per forward and, like everything here, only enqueues device work, so a whole forward
 can be captured in a CUDA graph.
+
+The same interface carries the small device steps around a forward that a graphed step runs many times: a
+forward's pending tokens and a step's appended tokens (`TokenRows`), KV slots appended and rolled back
+(`BlockTables`), a Gumbel-max draw and a scaled logsumexp over the vocabulary (the sampler, the SMC weights).
+Their owners hold the stack's backend, so no caller picks a kernel by device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.batch import ForwardBatch, padded_columns
+from hsmc.ops.counter_hash import gumbel
 from hsmc.ops.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from hsmc.engine.kv_pool import BlockTables
+
+# what a misuse of the KV slots raises (torch._assert_async: at once on the CPU, without a sync on the GPU)
+OUT_OF_SLOTS = "KV pool out of slots: raise engine.kv_capacity_tokens"
+ROW_OVERFLOW = "row longer than its block table (engine.kv_capacity_tokens)"
+BAD_ROLLBACK = "bad rollback count"
+OVER_RELEASED = "KV slot released more often than it was referenced"
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,45 @@ class Backend(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, cache: KVCache, batch: ForwardBatch, meta: Any) -> torch.Tensor:
         """Attention of q [R, T, H, D] over each row's keys (causal by column, or `batch.mask`); [R, T, H·D]."""
+        ...
+
+    def pending_tokens(
+        self, seq: torch.Tensor, seq_len: torch.Tensor, kv_len: torch.Tensor, rows: torch.Tensor, leave: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's KV length (`start`), its tokens past it but the last `leave` (`count`, at least 0), and those
+        tokens padded with 0 to `width` (columns clamped to the capacity): (start, count, tokens [R, width])."""
+        ...
+
+    def append_tokens(self, seq: torch.Tensor, seq_len: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """seq[row, seq_len[row] + j] = tokens[i, j] (columns clamped to the capacity), seq_len[row] += m."""
+        ...
+
+    def append_slots(
+        self, tables: BlockTables, rows: torch.Tensor, counts: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`BlockTables.append`: counts[i] <= width new slots (the lowest-numbered free ones) at the end of row
+        rows[i]: (slots [R, width] (the trash slot past counts[i]), each row's length before, the new tokens'
+        columns [R, width] (`padded_columns`))."""
+        ...
+
+    def rollback_slots(
+        self, tables: BlockTables, rows: torch.Tensor, values: torch.Tensor, max_drop: int, to_length: bool
+    ) -> None:
+        """Drop values[i] (0..max_drop) tokens from the end of row rows[i], or with `to_length` cut it to at most
+        values[i] tokens; rows unique."""
+        ...
+
+    def gumbel_max(
+        self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """argmax(ℓ·scale + g) over the entries ℓ >= floor per row of logits [R, V] (g: Gumbel noise keyed by
+        keys [R]; scale 0: the plain argmax, log-probability 0), and the drawn entry's log_softmax: (int64 [R],
+        float32 [R])."""
+        ...
+
+    def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+        """float64 [R]: logsumexp of logits[r, v] · scale[r] (float64) over the v with logits[r, v] >= floor[r],
+        in float64 (the SMC weights' precision); -inf for a row with nothing kept."""
         ...
 
 
@@ -188,3 +242,63 @@ class TorchBackend:
             q.transpose(1, 2), context_k, context_v, attn_mask=meta.mask, enable_gqa=True
         )
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+
+    def pending_tokens(
+        self, seq: torch.Tensor, seq_len: torch.Tensor, kv_len: torch.Tensor, rows: torch.Tensor, leave: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        start = kv_len[rows]
+        count = (seq_len[rows] - leave - start).clamp_min(0)
+        return start, count, sequence_window(seq, rows, start, count, width)
+
+    def append_tokens(self, seq: torch.Tensor, seq_len: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        columns = torch.arange(tokens.shape[1], device=tokens.device)
+        seq[rows[:, None], (seq_len[rows][:, None] + columns).clamp_max(seq.shape[1] - 1)] = tokens
+        seq_len[rows] += tokens.shape[1]
+
+    def append_slots(
+        self, tables: BlockTables, rows: torch.Tensor, counts: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        start = tables.length[rows]
+        torch._assert_async((start + counts <= tables.max_row_tokens).all(), ROW_OVERFLOW)
+        slots = tables.allocator.alloc(counts, width)
+        cols = start[:, None] + torch.arange(width, device=rows.device)
+        cols = torch.where(cols < (start + counts)[:, None], cols, tables.max_row_tokens)
+        tables.table[rows[:, None], cols] = slots
+        tables.length[rows] = start + counts
+        return slots, start, padded_columns(start, counts, width)
+
+    def rollback_slots(
+        self, tables: BlockTables, rows: torch.Tensor, values: torch.Tensor, max_drop: int, to_length: bool
+    ) -> None:
+        end = tables.length[rows]
+        counts = (end - values).clamp_min(0) if to_length else values
+        torch._assert_async(((counts >= 0) & (counts <= end) & (counts <= max_drop)).all(), BAD_ROLLBACK)
+        back = torch.arange(1, max_drop + 1, device=rows.device)
+        cols = (end[:, None] - back[None, :]).clamp_min(0)  # [R, max_drop], last column first
+        dropped = back[None, :] <= counts[:, None]
+        tables.allocator.add_refs(tables.table[rows[:, None], cols], -dropped.to(torch.int32))
+        tables.length[rows] = end - counts
+
+    def gumbel_max(
+        self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = logits.float()
+        scaled = torch.where(x >= floor[:, None], x * scale[:, None], float("-inf"))
+        greedy = scale == 0
+        score = torch.where(greedy[:, None], x, scaled + gumbel(keys, x.shape[-1]))
+        tokens = score.argmax(-1)
+        logprobs = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, torch.where(greedy, 0.0, logprobs)
+
+    def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+        kept = logits.float() >= floor[:, None]
+        return torch.logsumexp(torch.where(kept, logits.double() * scale[:, None], float("-inf")), -1)
+
+
+def sequence_window(
+    seq: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int
+) -> torch.Tensor:
+    """seq[row, start + j] for j < count (0 past it, columns clamped to the capacity): [R, width]."""
+    offsets = torch.arange(width, device=rows.device)
+    cols = (start[:, None] + offsets).clamp(0, seq.shape[1] - 1)
+    return torch.where(offsets[None, :] < count[:, None], seq[rows[:, None], cols], 0)

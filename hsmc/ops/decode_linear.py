@@ -35,6 +35,7 @@ import triton.language as tl
 
 from hsmc.ops import fused
 from hsmc.ops.pdl import pdl_launch
+from hsmc.ops.tiles import round_to, weight_tile
 
 NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
 
@@ -72,31 +73,17 @@ def plan_decode_linear(n: int, k: int, scale_block_k: int | None, prologue: int)
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr):
-    """Round fp32 values to `dtype` and back, as a torch op producing `dtype` would."""
-    return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _input_tile(x_ptr, cols, ok, K, inv, norm_ptr, PROLOGUE: tl.constexpr, dtype: tl.constexpr):
     """Columns `cols` of the Linear's input after the prologue, fp32 [BLOCK_K]."""
     if PROLOGUE == 2:  # the row is [gate | up]
         gate = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + K + cols, mask=ok, other=0.0).to(tl.float32)
-        return _round(_round(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
+        return round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
     x = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if PROLOGUE == 1:
         w = tl.load(norm_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        x = _round(_round(x * inv, dtype) * w, dtype)
+        x = round_to(round_to(x * inv, dtype) * w, dtype)
     return x
-
-
-@triton.jit
-def _weight_tile(w_rows, n_ok, cols, K):
-    """Columns `cols` of the program's weight rows (zeros past N and K); each byte is read once: evict first."""
-    return tl.load(
-        w_rows + cols[None, :], mask=n_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first"
-    )
 
 
 @triton.jit
@@ -139,7 +126,7 @@ def _decode_linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     if not FP8:  # weights are never written during a forward: the first tile loads before the wait
-        w = _weight_tile(w_rows, n_ok, rk, K)
+        w = weight_tile(w_rows, n_ok, rk, K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -158,14 +145,14 @@ def _decode_linear_kernel(
         y = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + rk
-            w = _weight_tile(w_rows, n_ok, cols, K)
+            w = weight_tile(w_rows, n_ok, cols, K)
             x = _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)
             y = _fp8_tile(y, w, x, s_row, k0, K, BLOCK_N, BLOCK_K, SCALE_K)
     else:  # products summed elementwise, reduced once; the next tile loads while this one is multiplied
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + rk
-            w_next = _weight_tile(w_rows, n_ok, cols + BLOCK_K, K)
+            w_next = weight_tile(w_rows, n_ok, cols + BLOCK_K, K)
             acc += w.to(tl.float32) * _input_tile(x_ptr, cols, cols < K, K, inv, norm_ptr, PROLOGUE, dtype)[None, :]
             w = w_next
         y = tl.sum(acc, 1)
@@ -173,7 +160,7 @@ def _decode_linear_kernel(
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        y = _round(y, dtype) + tl.load(res_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        y = round_to(y, dtype) + tl.load(res_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, y.to(dtype), mask=n_ok)
 
 

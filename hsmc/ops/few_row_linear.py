@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from hsmc.ops import fused
-from hsmc.ops.decode_linear import _weight_tile
 from hsmc.ops.pdl import pdl_launch
 from hsmc.ops.split_k import finish, splits_to_fill, sum_splits
+from hsmc.ops.tiles import weight_tile
 
 MAX_ROWS = 32  # rows padded to a tile of 16 or 32; more rows run cuBLAS
 
@@ -154,7 +154,7 @@ def _few_row_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    w = _weight_tile(w_rows, n_ok, k_begin + rk, k_end)  # weights are never written: loaded before the wait
+    w = weight_tile(w_rows, n_ok, k_begin + rk, k_end)  # weights are never written: loaded before the wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -162,7 +162,7 @@ def _few_row_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc = _dot(w, _input_tile(x_ptr, rm, m_ok, k_begin + rk, k_end, stride_xm), acc, IEEE)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):  # Triton pipelines these tiles through shared memory
-        w = _weight_tile(w_rows, n_ok, k0 + rk, k_end)
+        w = weight_tile(w_rows, n_ok, k0 + rk, k_end)
         acc = _dot(w, _input_tile(x_ptr, rm, m_ok, k0 + rk, k_end, stride_xm), acc, IEEE)
 
     offs = rm[None, :] * N + rn[:, None]  # acc[n, m] is output row m, column n

@@ -18,12 +18,7 @@ import triton
 import triton.language as tl
 
 from hsmc.ops.pdl import pdl_launch
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """Round fp32 values to `dtype` and back, as a torch op producing `dtype` would."""
-    return x.to(dtype).to(tl.float32)
+from hsmc.ops.tiles import round_to
 
 
 @triton.jit
@@ -37,7 +32,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, USE_PDL
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * N + cols, mask=valid, other=0.0).to(tl.float32)
     variance = tl.sum(x * x, 0) / N
-    h = _round(x * tl.rsqrt(variance + eps), dtype)
+    h = round_to(x * tl.rsqrt(variance + eps), dtype)
     w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, (h * w).to(dtype), mask=valid)
 
@@ -65,7 +60,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr, USE_PDL: 
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * 2 * inner + cols, mask=valid, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * 2 * inner + inner + cols, mask=valid, other=0.0).to(tl.float32)
-    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
     tl.store(out_ptr + row * inner + cols, (silu * up).to(dtype), mask=valid)
 
 
@@ -128,14 +123,14 @@ def _qkv_rope_store_kernel(
             tl.load(k_norm_ptr + half + i, mask=valid, other=0.0),
         )
         w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
-        x1 = _round(_round(x1 * inv, dtype) * w1, dtype)
-        x2 = _round(_round(x2 * inv, dtype) * w2, dtype)
+        x1 = round_to(round_to(x1 * inv, dtype) * w1, dtype)
+        x2 = round_to(round_to(x2 * inv, dtype) * w2, dtype)
     position = tl.load(positions_ptr + token).to(tl.float32)
     angle = position * tl.load(inv_freq_ptr + i, mask=valid, other=0.0)
-    cos = _round(tl.cos(angle) * rope_scale, dtype)
-    sin = _round(tl.sin(angle) * rope_scale, dtype)
-    y1 = _round(_round(x1 * cos, dtype) + _round(-x2 * sin, dtype), dtype)
-    y2 = _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype)
+    cos = round_to(tl.cos(angle) * rope_scale, dtype)
+    sin = round_to(tl.sin(angle) * rope_scale, dtype)
+    y1 = round_to(round_to(x1 * cos, dtype) + round_to(-x2 * sin, dtype), dtype)
+    y2 = round_to(round_to(x2 * cos, dtype) + round_to(x1 * sin, dtype), dtype)
     if head < NUM_HEADS:
         out = q_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
         tl.store(out + i, y1.to(dtype), mask=valid)

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hsmc.ops.decode_linear import _round
 from hsmc.ops.pdl import pdl_launch
+from hsmc.ops.tiles import round_to
 
 
 @cache
@@ -36,7 +36,7 @@ def finish(y, offs, n_idx, ok, bias_ptr, res_ptr, out_ptr, HAS_BIAS: tl.constexp
     if HAS_BIAS:
         y += tl.load(bias_ptr + n_idx, mask=ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        y = _round(y, dtype) + tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        y = round_to(y, dtype) + tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, y.to(dtype), mask=ok)
 
 

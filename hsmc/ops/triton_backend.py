@@ -14,13 +14,14 @@ residual as its `beta` term, or an FP8 GEMM with a residual epilogue: weight-onl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hsmc.ops import fused
-from hsmc.ops.backend import HeadLayout, RMSNormWeight, Rope
+from hsmc.ops import fused, kv_slots, token_rows, vocab
+from hsmc.ops.backend import BAD_ROLLBACK, OUT_OF_SLOTS, OVER_RELEASED, ROW_OVERFLOW, HeadLayout, RMSNormWeight, Rope
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.decode_linear import decode_linear
 from hsmc.ops.few_row_linear import MAX_ROWS, few_row_linear, measured_plan
@@ -28,6 +29,9 @@ from hsmc.ops.fp8_linear import Fp8Linear, fp8_linear
 from hsmc.ops.gemm_routes import blas_library_for, gemm_rows
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
+
+if TYPE_CHECKING:
+    from hsmc.engine.kv_pool import BlockTables
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,40 @@ class TritonBackend:
             batch.mask,
         )
         return out.view(r, t, -1)
+
+    def pending_tokens(
+        self, seq: torch.Tensor, seq_len: torch.Tensor, kv_len: torch.Tensor, rows: torch.Tensor, leave: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return token_rows.pending_tokens(seq, seq_len, kv_len, rows, leave, width)
+
+    def append_tokens(self, seq: torch.Tensor, seq_len: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        token_rows.append_tokens(seq, seq_len, rows, tokens)
+
+    def append_slots(
+        self, tables: BlockTables, rows: torch.Tensor, counts: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        slots, start, columns, ok = kv_slots.append_slots(
+            tables.allocator.refcount, tables.table, tables.length, rows, counts, width, tables.max_row_tokens
+        )
+        torch._assert_async(ok[0], OUT_OF_SLOTS)
+        torch._assert_async(ok[1], ROW_OVERFLOW)
+        return slots, start, columns
+
+    def rollback_slots(
+        self, tables: BlockTables, rows: torch.Tensor, values: torch.Tensor, max_drop: int, to_length: bool
+    ) -> None:
+        refcount = tables.allocator.refcount
+        ok = kv_slots.rollback_slots(refcount, tables.table, tables.length, rows, values, max_drop, to_length)
+        torch._assert_async(ok[0], BAD_ROLLBACK)
+        torch._assert_async(ok[1], OVER_RELEASED)
+
+    def gumbel_max(
+        self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return vocab.gumbel_max(logits, scale.float(), floor.float(), keys)
+
+    def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+        return vocab.logsumexp_rows(logits, scale.double(), floor.float())
 
 
 def _one_row(x: torch.Tensor, linear: nn.Module) -> bool:

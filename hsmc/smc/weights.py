@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import torch
 
+from hsmc.ops.backend import Backend, TorchBackend
 
-def logsumexp_scaled(logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+
+def logsumexp_scaled(
+    logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor, backend: Backend | None = None
+) -> torch.Tensor:
     """float64 logsumexp of scale · ℓ over the entries ℓ >= floor, for logits [..., V] and scale (float64) and floor
-    [...]: one pass over the logits in a Triton kernel on CUDA (`hsmc.ops.vocab`), torch on the CPU."""
-    if logits.is_cuda:
-        from hsmc.ops.vocab import logsumexp_rows
-
-        flat = logits.reshape(-1, logits.shape[-1])
-        return logsumexp_rows(flat, scale.reshape(-1).double(), floor.reshape(-1).float()).view(logits.shape[:-1])
-    kept = logits.float() >= floor[..., None]
-    return torch.logsumexp(torch.where(kept, logits.double() * scale[..., None], float("-inf")), -1)
+    [...]: one pass over the logits through the stack's `backend` (a Triton kernel, or torch: the reference)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    lse = (backend or TorchBackend()).logsumexp_rows(flat, scale.reshape(-1).double(), floor.reshape(-1).float())
+    return lse.view(logits.shape[:-1])
 
 
 def log_normalizer(
@@ -39,14 +39,15 @@ def log_normalizer(
     scale: torch.Tensor,
     floor: torch.Tensor,
     lse: torch.Tensor | None = None,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """log Σ_x p'(x)^alpha for each row of logits [R, V] (scale and floor [R]): the weight of a token drawn from
     p'^alpha normalized in place of p'^alpha (float64; 0 when alpha = 1). `lse`: logsumexp(scale·ℓ) over the
     support, if already known."""
     if alpha == 1:
         return torch.zeros(logits.shape[:-1], dtype=torch.float64, device=logits.device)
-    lse = logsumexp_scaled(logits, scale, floor) if lse is None else lse
-    return logsumexp_scaled(logits, alpha * scale, floor) - alpha * lse
+    lse = logsumexp_scaled(logits, scale, floor, backend) if lse is None else lse
+    return logsumexp_scaled(logits, alpha * scale, floor, backend) - alpha * lse
 
 
 def weight_increments(
@@ -57,6 +58,7 @@ def weight_increments(
     alpha: float,
     scale: torch.Tensor,
     floor: torch.Tensor,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """delta log-weight float64 [N] for target_logits [N, K+1, V] (any float dtype), drafts/logq [N, K], kept [N] in
     1..K+1, scale [N] (float64 1/T) and floor [N, K+1]. The log-sum-exps are float64 reductions that never hold a
@@ -64,12 +66,12 @@ def weight_increments(
     H200)."""
     k = draft_tokens.shape[1]
     per_position = scale[:, None].expand(-1, k + 1)
-    lse = logsumexp_scaled(target_logits, per_position, floor)  # [N, K+1]
+    lse = logsumexp_scaled(target_logits, per_position, floor, backend)  # [N, K+1]
     at = target_logits[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     drafted = torch.where(at.float() >= floor[:, :k], at.double() * scale[:, None], float("-inf"))
     inc = alpha * (drafted - lse[:, :k]) - draft_logq.double()
     counted = torch.arange(k, device=kept.device)[None, :] < kept[:, None]
-    log_z = log_normalizer(target_logits[:, k], alpha, scale, floor[:, k], lse[:, k])
+    log_z = log_normalizer(target_logits[:, k], alpha, scale, floor[:, k], lse[:, k], backend)
     return torch.where(counted, inc, 0.0).sum(1) + torch.where(kept > k, log_z, 0.0)
 
 

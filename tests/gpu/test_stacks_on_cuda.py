@@ -1,0 +1,90 @@
+"""Every stack kind on CUDA against the CPU and against itself: greedy tokens equal the CPU's, a seeded T = 1
+request decodes the same with CUDA graphs as without them and alone as amid other requests, and nothing inside
+`generate` synchronizes with the device (`torch.cuda.set_sync_debug_mode("error")` turns any sync into a failure
+of the request). Tiny float32 models: differences are bugs, not rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, make_tiny_model
+from helpers import assert_pools_empty
+from test_eagle_checkpoint import published_layout
+
+from hsmc.decoder import HierarchicalDecoder
+from hsmc.requests import SamplingParams
+
+PROMPTS = [[3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2], [11, 12]]
+ENGINE = {"kv_capacity_tokens": 4096, "max_batch_rows": 32}
+GREEDY_KINDS = ("model", "rejection", "eagle3")  # an smc top has no greedy law
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda_stacks")
+    small, big = make_tiny_model("llama", root / "s", seed=1), make_tiny_model("llama", root / "b", seed=2)
+    llama = TINY_CONFIGS["llama"]
+    sizes = (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], 16, 96, 101, 40)
+    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=sizes, scale=0.3)
+    small, big, head = str(small), str(big), str(head)
+    return {
+        "model": [{"model": big}],
+        "rejection": [{"model": small}, {"kind": "rejection", "model": big, "num_draft_tokens": 4}],
+        "eagle3": [{"kind": "eagle3", "model": head}, {"kind": "rejection", "model": big}],
+        "smc": [{"model": small, "temperature": 1.0},
+                {"kind": "smc", "model": big, "temperature": 1.0, "particles": 4, "block_size": 3}],
+        "hierarchical": [{"kind": "eagle3", "model": head, "temperature": 1.0},
+                         {"kind": "rejection", "model": small, "temperature": 1.0},
+                         {"kind": "smc", "model": big, "temperature": 1.0, "particles": 4, "block_size": 6}],
+    }  # fmt: skip
+
+
+def decoder(levels, device: str, **engine) -> HierarchicalDecoder:
+    return HierarchicalDecoder.from_config({"levels": levels, "engine": {**ENGINE, "device": device, **engine}})
+
+
+def without_syncs(run):
+    """run() with every synchronizing CUDA call an error (on the driver's thread too: the mode is global)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("kind", GREEDY_KINDS)
+def test_greedy_on_cuda_equals_the_cpu_without_a_sync(stacks, kind):
+    cpu = decoder(stacks[kind], "cpu")
+    want = [r.token_ids for r in cpu.generate(PROMPTS, max_new_tokens=24, ignore_eos=True)]
+    cuda = decoder(stacks[kind], "cuda")
+    cuda.generate(PROMPTS, max_new_tokens=24, ignore_eos=True)  # captures the graphs (a capture may sync)
+    got = without_syncs(lambda: cuda.generate(PROMPTS, max_new_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in got] == want
+    cuda.driver.quiesce()
+    assert_pools_empty(cuda)
+
+
+@pytest.mark.parametrize("kind", ["model", "rejection", "eagle3", "smc", "hierarchical"])
+def test_seeded_request_is_the_same_graphed_eager_alone_and_amid_others(stacks, kind):
+    mine = SamplingParams(seed=42, max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95)
+    others = [SamplingParams(seed=s, max_tokens=m, ignore_eos=True) for s, m in ((1, 5), (2, 31), (3, 12))]
+    batch = [[9], [1, 2, 3], [3, 4, 5], [6]]
+    eager = decoder(stacks[kind], "cuda", cuda_graphs=False).generate([[3, 4, 5]], params=mine)[0]
+    graphed = decoder(stacks[kind], "cuda")
+    graphed.generate(batch, params=[others[0], others[1], mine, others[2]])  # captures
+    alone = without_syncs(lambda: graphed.generate([[3, 4, 5]], params=mine))[0]
+    amid = without_syncs(lambda: graphed.generate(batch, params=[others[0], others[1], mine, others[2]]))[2]
+    assert alone.token_ids == eager.token_ids
+    assert amid.token_ids == alone.token_ids
+    graphed.driver.quiesce()
+    assert_pools_empty(graphed)
