@@ -1,14 +1,14 @@
 """A forward's KV slots allocated and appended to the rows' block tables in two launches, and rows rolled back in
 one (CUDA).
 
-`BlockTables.append` in torch ops (the CPU reference) ranks the free slots by a cumulative sum over the whole
-pool, searches the ranks each row wants, bumps refcounts and writes the tables through indexed copies, checking
-both bounds: about 36 kernels, launched before every forward. Inside a graphed SMC cycle each still takes a
-couple of microseconds on the GPU's serial chain, so together they cost 60-70 µs per forward — about a third of
-the work between an SMC cycle's forwards. Here one kernel counts each chunk's free slots in parallel, and one
+`BlockTables.append` in torch ops (`TorchBackend.append_slots`, the reference) ranks the free slots by a cumulative
+sum over the whole pool, searches the ranks each row wants, bumps refcounts and writes the tables through indexed
+copies, checking both bounds: about 36 kernels, launched before every forward. Inside a graphed SMC cycle each still
+takes a couple of microseconds on the GPU's serial chain, so together they cost 60-70 µs per forward — about a third
+of the work between an SMC cycle's forwards. Here one kernel counts each chunk's free slots in parallel, and one
 program walks only the chunks that hold the ranks it needs, hands the slots out in the reference's order (the
-lowest-numbered free slots, row by row), bumps their refcounts and writes the rows' tables, lengths and slots
-(and the new tokens' columns, which are their RoPE positions).
+lowest-numbered free slots, row by row), bumps their refcounts and writes the rows' tables, lengths and slots (and
+the new tokens' columns, which are their RoPE positions): `TritonBackend.append_slots`.
 What the reference asserts comes back as two flags for `torch._assert_async`.
 
 A rollback (drafts rejected, a deferred seed, the tokens past a stop) is the same story at a smaller scale: the

@@ -5,8 +5,8 @@ Before a forward `SequenceState` gathers each row's unprocessed tokens (its leng
 difference, a window of the sequence, the padding) and after a draw `TokenRows.append` writes the new tokens
 behind each row: about twenty small torch kernels per forward, each a couple of microseconds on the serial chain
 of a graphed cycle even though there is almost nothing to compute, and a rejection round runs a forward per draft
-step plus its verify. Here one program does each job for every row; the torch ops in `hsmc.levels.base` stay
-the CPU path and the reference.
+step plus its verify. Here one program does each job for every row (`TritonBackend.pending_tokens` /
+`append_tokens`); `TorchBackend`'s torch ops are the reference.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ Every row is its own request: it brings its scale (1 / temperature, 0 for greedy
 top-p as a floor on the raw logits) and its key. The noise is Philox keyed by the row's key with the column as
 counter -- not the row -- so a draw depends only on that row's logits, scale, floor and key, never on where the
 row sits in the batch or on the other rows: a seeded request gives the same tokens whatever batch it shares.
-Everything comes in device tensors, so a step needs no host read and can be captured in a CUDA graph. The
-torch path (`hsmc.engine.sampler`, `hsmc.smc.weights`) stays the CPU reference; these kernels run on CUDA and,
-through Triton's interpreter, in the tests (whose chi-square checks hold them to the exact law).
+Everything comes in device tensors, so a step needs no host read and can be captured in a CUDA graph. These
+kernels are `TritonBackend.gumbel_max` / `logsumexp_rows`; `TorchBackend`'s are the reference (its noise is the
+splitmix64 hash of `hsmc.ops.counter_hash`, so the two draw the same law with other bits). The tests run them
+through Triton's interpreter, whose chi-square checks hold them to the exact law.
 """
 
 from __future__ import annotations
