@@ -210,7 +210,7 @@ def shape_case(
 
 def level_modules(decoder: Any) -> list[torch.nn.Module]:
     """The module each level runs (an EAGLE3 level's head; every other level's model)."""
-    return [lv.runner.module if hasattr(lv, "runner") else lv.state.runner.module for lv in decoder.stack.levels]
+    return [runner.module for runner in decoder.stack.runners]
 
 
 def level_costs(decoder: Any, stats: list[dict[str, Any]]) -> list[LevelCost]:

@@ -82,11 +82,7 @@ class HierarchicalDecoder:
 
     def kv_slots_in_use(self) -> int:
         """KV slots held in the stack's pools (one read of the device): 0 once every request has ended."""
-        used = 0
-        for level in self.stack.levels:
-            tables = level.runner.tables if hasattr(level, "runner") else level.state.runner.tables
-            used = max(used, tables.allocator.num_slots - tables.allocator.num_free())
-        return used
+        return max(r.tables.allocator.num_slots - r.tables.allocator.num_free() for r in self.stack.runners)
 
     def warmup(self, progress: bool = True) -> None:
         """Capture the CUDA graphs of every batch the config can run before the first request, so that no request
@@ -127,10 +123,8 @@ class HierarchicalDecoder:
 
     def _graphs(self) -> list[Any]:
         """Every graph set of the stack: each runner's forward graphs, the rounds' and the cycles' graphs."""
-        found = []
-        for level in self.stack.levels:
-            runner = level.runner if hasattr(level, "runner") else level.state.runner
-            found += [runner.graphs, getattr(level, "rounds", None), getattr(level, "cycle_graphs", None)]
+        found = [runner.graphs for runner in self.stack.runners]
+        found += [getattr(level, name, None) for level in self.stack.levels for name in ("rounds", "cycle_graphs")]
         return [g for g in found if g is not None]
 
     def close(self, timeout: float = 0.0) -> None:

@@ -1366,7 +1366,7 @@ def run_fp8_stack(emulated: str) -> None:
         seconds = time.perf_counter() - began
         tokens = sum(len(r.token_ids) for r in out)
         peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
-        runners = [lv.runner if hasattr(lv, "runner") else lv.state.runner for lv in decoder.stack.levels]
+        runners = decoder.stack.runners
         kv = sum(r.cache.data.numel() * r.cache.data.element_size() for r in runners)
         levels = out[0].stats["levels"]
         tag = "fp8 activations" if dynamic else "weight-only fp8"

@@ -149,7 +149,7 @@ def bench(name: str, new_tokens: int, log: list[str]) -> dict:
     say(f"== {name}: loaded and warmed up in {ready:.1f} s; rows {decoder.stack.max_rows}, KV slots "
         f"{decoder.stack.capacity}", log)  # fmt: skip
     auto = load_config({"levels": levels, "engine": {"device": "cuda"}})
-    modules = [lv.runner.module if hasattr(lv, "runner") else lv.state.runner.module for lv in decoder.stack.levels]
+    modules = [runner.module for runner in decoder.stack.runners]
     rows = with_rows(auto, modules, free_memory(torch.device("cuda")) + decoder_kv_bytes(decoder))
     say(f"{name}: engine.max_batch_rows: auto would give {rows.engine.max_batch_rows} rows on this GPU", log)
     vocab = modules[-1].config.vocab_size
@@ -212,11 +212,7 @@ def tokens_of(params: list[SamplingParams]) -> int:
 
 def decoder_kv_bytes(decoder: HierarchicalDecoder) -> int:
     """Bytes the decoder's KV caches hold (free again were it built with other rows)."""
-    total = 0
-    for level in decoder.stack.levels:
-        runner = level.runner if hasattr(level, "runner") else level.state.runner
-        total += runner.cache.data.numel() * runner.cache.data.element_size()
-    return total
+    return sum(r.cache.data.numel() * r.cache.data.element_size() for r in decoder.stack.runners)
 
 
 def main() -> None:

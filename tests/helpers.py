@@ -64,7 +64,7 @@ def assert_pools_empty(decoder) -> None:
     """Every level's KV pool is consistent and holds no slot after a generate() call."""
     from hsmc.engine.kv_pool import check_invariants
 
-    for level in decoder.stack.levels:
-        tables = level.runner.tables if hasattr(level, "runner") else level.state.runner.tables
+    for level, runner in zip(decoder.stack.levels, decoder.stack.runners):
+        tables = runner.tables
         check_invariants(tables.allocator, [tables])
         assert tables.allocator.num_free() == tables.allocator.num_slots, f"{type(level).__name__} leaked KV slots"

@@ -9,9 +9,10 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, make_tiny_model
+from conftest import make_tiny_model
 from helpers import assert_pools_empty
 from test_eagle_checkpoint import published_layout
+from test_eagle_level import SIZES
 from test_rejection import _chi2_pvalue, _hf_greedy
 from test_sampler import exact
 from test_smc_level import _normalised, _sampling_spread
@@ -140,10 +141,6 @@ def _tv_with_dead(results, exact) -> float:
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
     outputs = set(counts) | set(exact)
     return 0.5 * sum(abs(counts.get(s, 0) / len(results) - exact.get(s, 0.0)) for s in outputs)
-
-
-LLAMA = TINY_CONFIGS["llama"]
-SIZES = (LLAMA["hidden_size"], LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"], 16, 96)
 
 
 @pytest.fixture(scope="module")

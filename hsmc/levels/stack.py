@@ -50,6 +50,11 @@ class Stack:
         return isinstance(self.top, SMCLevel)
 
     @property
+    def runners(self) -> list[ModelRunner]:
+        """Each level's runner, bottom to top (an EAGLE3 level's runs its head)."""
+        return [lv.runner if hasattr(lv, "runner") else lv.state.runner for lv in self.levels]
+
+    @property
     def rows_per_prompt(self) -> int:
         return self.top.params.particles if self.is_smc else 1
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, make_tiny_model
+from conftest import make_tiny_model
 from helpers import assert_pools_empty
 from test_eagle_checkpoint import published_layout
+from test_eagle_level import SIZES
 
 from hsmc.decoder import HierarchicalDecoder
 from hsmc.requests import SamplingParams
@@ -25,9 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def stacks(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda_stacks")
     small, big = make_tiny_model("llama", root / "s", seed=1), make_tiny_model("llama", root / "b", seed=2)
-    llama = TINY_CONFIGS["llama"]
-    sizes = (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], 16, 96, 101, 40)
-    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=sizes, scale=0.3)
+    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=(*SIZES, 101, 40), scale=0.3)
     small, big, head = str(small), str(big), str(head)
     return {
         "model": [{"model": big}],
