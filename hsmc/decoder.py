@@ -68,10 +68,9 @@ class HierarchicalDecoder:
         if self._driver is None:
             stack, gen = self.stack, self.config.generation
             top = stack.top if stack.is_smc else StepTop(stack.top)
-            vocab = stack.top.state.runner.module.config.vocab_size
             defaults = Defaults(
                 gen.max_new_tokens, stack.configs[-1].temperature, stack.rows_per_prompt, gen.ignore_eos,
-                tuple(gen.stop), stack.is_smc, vocab,
+                tuple(gen.stop), stack.is_smc, self.vocab_size,
             )  # fmt: skip
             admission = Admission(stack.max_rows, stack.capacity, stack.lookahead, stack.rows_per_prompt)
             eos, kinds = frozenset(stack.eos_token_ids), [c.kind for c in stack.configs]
@@ -79,6 +78,15 @@ class HierarchicalDecoder:
                 top, admission, defaults, eos, self.tokenizer, kinds, stack.assign, stack.clear
             )
         return self._driver
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: the top level's vocabulary (every level shares it)."""
+        return self.stack.top.state.runner.module.config.vocab_size
+
+    @property
+    def is_smc(self) -> bool:
+        return self.stack.is_smc
 
     def kv_slots_in_use(self) -> int:
         """KV slots held in the stack's pools (one read of the device): 0 once every request has ended."""
@@ -101,7 +109,7 @@ class HierarchicalDecoder:
         stack = self.stack
         top = stack.configs[-1]
         per_step = {"smc": top.block_size + 1, "rejection": top.num_draft_tokens + 1}.get(top.kind, 1)
-        vocab = stack.top.state.runner.module.config.vocab_size
+        vocab = self.vocab_size
         most = stack.max_rows // stack.rows_per_prompt
         batches = [(n, 16, WARMUP_STEPS * per_step) for n in range(1, most + 1)]
         # prefills of other sizes compile their kernels with one token each: Triton specializes on the shapes, and

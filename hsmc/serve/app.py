@@ -22,7 +22,7 @@ from hsmc.errors import RequestCancelled, RequestError
 from hsmc.requests import Result
 from hsmc.serve.bridge import Mailbox, Submission
 from hsmc.serve.errors import ApiError, bad_request, from_request_error, install_handlers
-from hsmc.serve.inputs import chat_prompt, choice_params, completion_prompts, vocab_size
+from hsmc.serve.inputs import chat_prompt, choice_params, completion_prompts
 from hsmc.serve.metrics import ServerMetrics
 from hsmc.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from hsmc.serve.responses import ChatFormat, CompletionFormat, extension, sse, usage
@@ -33,7 +33,8 @@ DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that i
 
 
 def create_app(decoder: Any, served_model_name: str, max_queue: int) -> FastAPI:
-    """The app for `decoder` (a `HierarchicalDecoder`), answering to `served_model_name`; a request whose choices
+    """The app for `decoder` (a `HierarchicalDecoder`, or an `EngineProcess` holding one), answering to
+    `served_model_name`; a request whose choices
     would take the driver's queue (submitted, not admitted yet) past `max_queue` gets a 429."""
     service = _Service(decoder, served_model_name, max_queue)
     app = FastAPI(title="hsmc", version=__version__)
@@ -58,12 +59,13 @@ def create_app(decoder: Any, served_model_name: str, max_queue: int) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        slots = await asyncio.to_thread(decoder.kv_slots_in_use)  # (an engine process: also refreshes the counts)
         driver = service.driver
         return {
             "status": "ok",
             "queue_depth": driver.queue_depth,
             "running_rows": driver.running_rows,
-            "kv_slots_in_use": decoder.kv_slots_in_use(),
+            "kv_slots_in_use": slots,
         }
 
     @app.get("/metrics")
@@ -77,7 +79,7 @@ class _Service:
     def __init__(self, decoder: Any, served_model_name: str, max_queue: int) -> None:
         self.decoder, self.name, self.max_queue = decoder, served_model_name, max_queue
         self.driver = decoder.driver
-        self.vocab = vocab_size(decoder)
+        self.vocab = decoder.vocab_size
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self._mailbox: Mailbox | None = None
@@ -98,7 +100,7 @@ class _Service:
     ) -> Response:
         """Submit every choice and answer with their results, or stream them as they settle."""
         choices, params = choice_params(body, prompts, self.decoder.config.generation, self.vocab)
-        if body.return_particles and not self.decoder.stack.is_smc:
+        if body.return_particles and not self.decoder.is_smc:
             raise bad_request("only an smc top level has particles", "return_particles")
         if len(choices) > self.max_queue:
             raise bad_request(f"{len(choices)} choices are more than this server queues (--max-queue)", "n")
@@ -109,7 +111,7 @@ class _Service:
                 headers={"Retry-After": "1"},
             )  # fmt: skip
         try:
-            submission = Submission(self.driver, self.mailbox, choices, params)
+            submission = await asyncio.to_thread(Submission, self.driver, self.mailbox, choices, params)
         except RequestError as e:
             raise from_request_error(e, body.token_limit[0]) from None
         prompt_tokens = sum(map(len, prompts))

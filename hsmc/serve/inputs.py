@@ -16,13 +16,6 @@ from hsmc.serve.errors import bad_request, from_request_error
 from hsmc.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
-def vocab_size(decoder: Any) -> int:
-    """Token ids a prompt may hold: the top level's vocabulary (every level shares it)."""
-    top = decoder.stack.top
-    runner = top.runner if hasattr(top, "runner") else top.state.runner
-    return runner.module.config.vocab_size
-
-
 def completion_prompts(tokenizer: Any | None, request: CompletionRequest) -> list[list[int]]:
     """Token ids of each prompt, as given: no chat template (that is what /v1/chat/completions is for)."""
     try:
