@@ -272,3 +272,52 @@ def test_fp8_errors_name_the_cause(tmp_path, tiny_qwen3):
         (folder / "model.safetensors").symlink_to(tiny_qwen3 / "model.safetensors")
         with pytest.raises(ModelLoadError, match=message):
             load_model(str(folder))
+
+
+def test_fp8_hierarchical_stack_decodes_as_its_dequantized_twin(tmp_path):
+    """The headline stack's kinds (an EAGLE3 head, FP8 rejection, FP8 SMC) on small random Qwen3-shaped models with
+    Qwen's 128 x 128 blocks: a seeded T = 0.6 run gives the same tokens as the same stack on dense models holding
+    the dequantized weights (on the CPU an FP8 Linear is the dequantized matmul). tests/gpu runs the real shapes."""
+    from test_eagle_checkpoint import published_layout
+    from transformers import AutoConfig
+
+    from hsmc.models.config import DecoderConfig
+    from hsmc.models.shapes import random_model
+
+    shape = dict(model_type="qwen3", hidden_size=256, intermediate_size=384, num_hidden_layers=4, head_dim=128,
+                 num_attention_heads=2, num_key_value_heads=1, vocab_size=512, max_position_embeddings=512)  # fmt: skip
+    cfg = DecoderConfig.from_hf(AutoConfig.for_model(**shape))
+    fp8 = {name: random_model(cfg, torch.float32, "cpu", seed=seed, fp8=True) for name, seed in (("8b", 2), ("32b", 1))}
+    dense = {name: dequantized_twin_of(model) for name, model in fp8.items()}
+    sizes = (256, 2, 1, 128, 384, 512, 128)
+    head, _ = published_layout(tmp_path / "head", dtype=torch.float32, sizes=sizes, scale=0.05)
+    config = load_config({
+        "levels": [
+            {"kind": "eagle3", "model": str(head), "temperature": 0.6},
+            {"kind": "rejection", "model": "8b", "temperature": 0.6, "num_draft_tokens": 4},
+            {"kind": "smc", "model": "32b", "temperature": 0.6, "particles": 3, "block_size": 4},
+        ],
+        "engine": {"kv_capacity_tokens": 2048},
+        "generation": {"max_new_tokens": 12, "ignore_eos": True, "seed": 3},
+    })  # fmt: skip
+    outputs = []
+    for models in (fp8, dense):
+        decoder = HierarchicalDecoder(config, {name: LoadedModel(m, None, name) for name, m in models.items()})
+        outputs.append([r.token_ids for r in decoder.generate(PROMPTS)])
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[0])
+
+
+def dequantized_twin_of(fp8_model):
+    """A deep copy of `fp8_model` with every FP8 Linear replaced by a dense Linear of its dequantized fp32 weight."""
+    import copy
+
+    twin = copy.deepcopy(fp8_model)
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, Fp8Linear):
+            dense = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            dense.weight = torch.nn.Parameter(module.dequantized(torch.float32), requires_grad=False)
+            dense.bias = module.bias
+            owner, _, child = name.rpartition(".")
+            twin.get_submodule(owner).add_module(child, dense)
+    return twin

@@ -6,8 +6,8 @@ declared by the levels (`graph_parts`) so a replay can advance them, and a round
 by the same amount every time. Both are checked here on every round of real runs, over the stacks whose top
 rejection level gets graphed rounds on CUDA, and on every SMC cycle of the SMC stacks. When a shape is
 captured, and that rounds inside a graphed round run eagerly, is checked with the capture stubbed.
-(Capture and replay need a GPU: `scripts/gpu_engine_check.py --sections rounds,cycles` compares them with the
-CPU and with eager rounds and cycles.)
+(Capture and replay need a GPU: tests/gpu/test_stacks_on_cuda.py and test_smc_stacks_on_cuda.py compare them with
+the CPU and with eager rounds and cycles.)
 """
 
 from __future__ import annotations

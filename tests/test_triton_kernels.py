@@ -1,6 +1,6 @@
 """The Triton backend against the torch reference: paged attention over random ragged batches, each fused
 kernel, and whole models (logits and greedy decoding). Without a GPU these run through Triton's
-interpreter (conftest sets TRITON_INTERPRET=1), on small shapes; scripts/gpu_engine_check.py runs the
+interpreter (conftest sets TRITON_INTERPRET=1), on small shapes; tests/gpu/test_kernels_on_cuda.py runs the
 same comparisons compiled on the GPU over real sizes and context lengths up to 8k."""
 
 from __future__ import annotations

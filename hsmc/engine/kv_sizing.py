@@ -49,7 +49,7 @@ def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0,
     vocabulary holds 0.7 GB per copy), two bf16 copies of the largest FP8 matrix (`largest_fp8_weight`
     elements), which a forward of more rows than the FP8 kernel takes dequantizes, and the activations of one
     prefill chunk (`prefill_activation_bytes`). The first three were each found missing on an H200 when the
-    pools took the rest (`scripts/gpu_engine_check.py`, smcbench and fp8stack). With CUDA graphs a rejection
+    pools took the rest (`hsmc bench --config`, tests/gpu's FP8 stack). With CUDA graphs a rejection
     round's or an SMC cycle's logits come again, in their graphs' pool (`RoundGraphs`; a cycle and the rounds
     inside it share one): the larger of a round's `LOGIT_COPIES` and a cycle's `GRAPH_LOGIT_COPIES`. Measured on an
     H200 (`--sections cycles`, float64 weights scored a position at a time): an eager SMC cycle peaks at 7.8

@@ -55,8 +55,8 @@ class DecodeLinearPlan:
 
 
 def plan_decode_linear(n: int, k: int, scale_block_k: int | None, prologue: int) -> DecodeLinearPlan:
-    """Settings measured on an H200 over the Qwen3-8B / 32B Linears (`scripts/gpu_engine_check.py --sections
-    linears` sweeps them, chained as a forward chains them): 8 rows x 1024 columns per program; the norm
+    """Settings measured on an H200 over the Qwen3-8B / 32B Linears (`scripts/sweep_kernels.py --parts
+    one-row` sweeps them, chained as a forward chains them): 8 rows x 1024 columns per program; the norm
     fused into a Linear of up to 8192 rows (q/k/v: 16 x 512, 7 % faster than after a norm kernel), a
     separate kernel before wider ones (gate/up, the LM head) and before down (SiLU·mul fused into down
     read at 3.1-3.9 TB/s depending on the kernel's code around it, after a SiLU kernel at 3.7-3.8).

@@ -54,7 +54,7 @@ class FewRowPlan:
 
 
 # Per GPU model, weight shape [N, K] and row tile (16: 2..16 rows, 32: 17..32): the fastest setting of
-# `scripts/gpu_engine_check.py --sections fewplans` (each of a Linear kind's layers chained at 8 or 32 rows, the median
+# `scripts/sweep_kernels.py --parts few-row` (each of a Linear kind's layers chained at 8 or 32 rows, the median
 # of interleaved rounds). A 16-row entry replaces the default plan; a 32-row entry exists only where it beat cuBLAS,
 # and only those shapes take the kernel at 17..32 rows. Other GPUs and shapes: the default, cuBLAS past 16 rows.
 MEASURED_PLANS: dict[str, dict[tuple[int, int, int], FewRowPlan]] = {

@@ -47,8 +47,8 @@ class Fp8GemmPlan:
 
 
 def plan_fp8_gemm(m: int, n: int, k: int, scale_block_k: int, device: torch.device) -> Fp8GemmPlan:
-    """Settings that measured best on an H200 over the Qwen3-8B/32B Linears (`scripts/gpu_engine_check.py
-    --sections fp8gemm`): K is split until there are about four programs per SM."""
+    """Settings that measured best on an H200 over the Qwen3-8B/32B Linears (`scripts/sweep_kernels.py
+    --parts fp8-gemm`): K is split until there are about four programs per SM."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64 if m <= 64 else 128
     block_k = min(128, scale_block_k)
@@ -189,7 +189,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, GROUP: tl.constex
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows x [M, K] as e4m3 with one fp32 scale per row and group of `group` columns ([M, ceil(K/group)]);
     `hsmc.ops.fp8_linear.quantize_activations` is the reference (Triton's interpreter rounds some values to
-    e4m3 wrongly, so the GPU check compares the two: `scripts/gpu_engine_check.py --sections fp8linears`)."""
+    e4m3 wrongly, so the GPU test compares the two: `tests/gpu/test_fp8_on_cuda.py`)."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
@@ -215,7 +215,7 @@ class W8A8Plan:
 
 def plan_w8a8(m: int, n: int, k: int, scale_block_k: int, device: torch.device) -> W8A8Plan:
     """Settings measured on an H200 over the Qwen3-8B / 32B Linears at 2..256 rows, all layers chained
-    (`scripts/gpu_engine_check.py --sections fp8linears,w8a8sweep`, docs/measurements/2026-11-24-h200-fp8-w8a8-
+    (`scripts/sweep_kernels.py --parts w8a8`, docs/measurements/2026-11-24-h200-fp8-w8a8-
     sweep.txt, -w8a8-verify-sweep.txt): swapped operands up to 128 rows, the usual order above (12-15 % faster
     at 144 and 256 rows); K is split while the tiles would leave a quarter of the SMs idle."""
     if m <= 16:

@@ -5,7 +5,7 @@ at the token counts of a verify the two run different kernels: on an H200 the Qw
 72 tokens of an SMC-SD verify (N = 8, K = 8) take 17 % and 6 % less time through cuBLASLt, while `down` over 102
 tokens (N = 6, K = 16) takes 12 % more. So the GEMMs in `CUBLASLT_GEMMS` switch to cuBLASLt for their own call (a
 CUDA graph keeps the kernel chosen at capture) and every other GEMM keeps torch's choice. Entries are (N, K, M) of
-the weight [N, K] and the rows M, written where runs of `scripts/gpu_engine_check.py --sections blasroutes` found
+the weight [N, K] and the rows M, written where runs of `scripts/sweep_kernels.py --parts cublaslt` found
 cuBLASLt ≥ 2 % faster (both of two on an H100, three of four on H200s; the median of interleaved rounds, each
 matrix chained four times in a graph, called as `_matmul` calls it).
 

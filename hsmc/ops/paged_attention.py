@@ -208,8 +208,8 @@ def plan_attention(
 ) -> AttentionPlan:
     """Query tiles of >= 16 rows (tensor-core dots) and context splits while the GPU has SMs to spare.
 
-    Measured on an H200 inside the Qwen3-8B one-row forward (`scripts/gpu_engine_check.py --sections
-    decodeattn`), where attention sits on the chain of dependent kernels: a decode row's latency is its
+    Measured on an H200 inside the Qwen3-8B one-row forward (`scripts/sweep_kernels.py --parts
+    decode-forward`), where attention sits on the chain of dependent kernels: a decode row's latency is its
     longest split, so while programs are few it splits into about 64 keys (blocks of 64) up to 512 keys,
     ~256 keys beyond; 8 splits at 260 keys took 0.16 ms less per forward than one. With more programs (16
     rows) it splits only past 512 keys (at 16 rows the finer split cost 4 % of decode speed). Past 512 keys,

@@ -1,0 +1,415 @@
+"""The kernel-tuning sweeps: on this GPU, every launch setting of a kernel over the Qwen3 shapes, the winners printed
+as the entries of the per-GPU plan tables in hsmc/ops (and every timing written to --out). Each part is separate:
+
+one-row         tile settings of the one-row (decode) Linears, qwen3-8b bf16 and qwen3-32b / qwen3-8b FP8, all layers
+                of a kind chained with PDL (`decode_linear.plan_decode_linear`).
+few-row         the measured few-row plans (`few_row_linear.MEASURED_PLANS`): the qwen3-8b Linears and LM head at 8
+                and 32 rows, the median of 3 interleaved rounds; then the Linears chained and the whole 8B step at
+                2..32 rows, the default route against the measured plans.
+fp8-gemm        launch settings of the weight-only FP8 GEMM around the planner's at 16 rows (`fp8_gemm.plan_fp8_gemm`).
+w8a8            tile settings of the FP8-activation GEMM at verify sizes, 32B Linears, both operand orders
+                (`fp8_gemm.plan_w8a8`).
+attention       decode (1 query token per row) and verify (9) attention: the planner's plan against every split x
+                key block x warps setting (`paged_attention.plan_attention`).
+decode-forward  the whole qwen3-8b one-row forward with the attention plan forced to each setting, 260 and 2000 keys.
+cublaslt        cuBLAS vs cuBLASLt and taller (padded) products for the 8B / 32B matrices at the rows the stacks run
+                (`gemm_routes.CUBLASLT_GEMMS`, `PADDED_ROWS`).
+
+    python scripts/sweep_kernels.py --parts few-row[,...] [--out DIR]
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple
+
+import torch
+import torch.nn.functional as F
+import triton
+from gpu_common import (
+    LINEAR_STEPS,
+    AttentionCase,
+    Report,
+    few_row_chain,
+    graph_ms,
+    layer_dims,
+    layer_linears,
+    run_parts,
+    time_8b_steps,
+    weight_read_bytes,
+)
+
+from hsmc.models.shapes import hf_config
+from hsmc.ops import fused
+from hsmc.ops.fp8_linear import QWEN_BLOCK
+from hsmc.ops.triton_backend import TritonBackend
+
+
+def one_row(report: Report) -> None:
+    """Per Linear kind, all layers' instances chained with PDL at one row, over tile settings."""
+    report.say("== one-row Linears: tile settings (rows per program, K tile, warps, stages, fused prologue) ==")
+    for shape, fp8 in (("qwen3-8b", False), ("qwen3-32b", True), ("qwen3-8b", True)):
+        sweep_one_row(report, shape, fp8)
+        torch.cuda.empty_cache()
+
+
+def sweep_one_row(report: Report, shape: str, fp8: bool) -> None:
+    from hsmc.ops.decode_linear import DecodeLinearPlan, decode_linear
+
+    layers = layer_linears(shape, fp8)
+    tag = f"{shape} {'fp8' if fp8 else 'bf16'}"
+    settings = (
+        [(8, 1024, 4, 3, False), (8, 512, 4, 3, False), (4, 1024, 4, 3, False), (8, 1024, 4, 4, False),
+         (16, 1024, 8, 3, False), (8, 1024, 4, 3, True)]
+        if fp8 else
+        [(8, 1024, 4, 1, True), (16, 512, 4, 1, True), (4, 1024, 4, 1, True), (8, 1024, 4, 1, False),
+         (16, 512, 4, 1, False)]
+    )  # fmt: skip
+    for kind, step in LINEAR_STEPS.items():
+        n, k = layers[0][kind][0].shape
+        x = torch.randn(1, 2 * k if step.get("silu") else k, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+        floor = report.read_ms(weight_read_bytes(layers, [kind]))
+        rows = []
+        for setting in settings:
+            plan = DecodeLinearPlan(*setting)
+
+            def chain(plan=plan):
+                for layer in layers:
+                    w, s = layer[kind]
+                    norm = (layer["norm1"], 1e-6) if step.get("norm") else None
+                    residual = res if step.get("residual") else None
+                    silu = bool(step.get("silu"))
+                    decode_linear(
+                        x, w, scale=s, scale_block=QWEN_BLOCK, plan=plan, norm=norm, silu_mul=silu, residual=residual
+                    )
+
+            rows.append((setting, graph_ms(chain)))
+        best, best_ms = min(rows, key=lambda r: r[1])
+        report.say(f"  {tag} {kind} [{n}x{k}] x{len(layers)}: best {best}: {best_ms:.3f} ms ({floor / best_ms:.0%} of "
+                   f"the weight read); " + " ".join(f"{s}:{ms:.3f}" for s, ms in rows),
+                   shape=tag, kind=kind, weight_read_ms=floor, timings=[(str(s), ms) for s, ms in rows])  # fmt: skip
+
+
+# (weight rows per program, K tile, K splits, warps, stages) tried besides the default plan
+FEW_ROW_CANDIDATES = [
+    (32, 256, 1, 2, 3), (32, 256, 1, 2, 5), (32, 128, 1, 2, 6), (32, 128, 1, 2, 8), (64, 128, 1, 2, 4),
+    (64, 128, 1, 2, 5), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (64, 128, 1, 4, 8), (32, 128, 1, 4, 6),
+    (64, 128, 3, 4, 4), (32, 256, 2, 2, 4), (32, 512, 1, 2, 3), (128, 64, 1, 4, 4), (64, 64, 1, 4, 8),
+    (64, 256, 1, 4, 3), (16, 256, 1, 1, 4)]  # fmt: skip
+
+
+def sweep_few_row_kinds(report: Report, layers: list[dict], m: int, rounds: int) -> dict:
+    """Per Linear kind (and the 8B's LM head, four times), all layers' instances chained (PDL) at m rows, over the
+    few-row kernel's settings, the planner's and cuBLAS's (after the norm / SiLU kernel), each the median of `rounds`
+    interleaved rounds; returns per kind (best plan, its ms, cuBLAS's ms)."""
+    from hsmc.ops.few_row_linear import FewRowPlan, few_row_linear, plan_few_row_linear
+
+    steps = dict(LINEAR_STEPS, lm_head={"norm": True})
+    weights = {kind: [layer[kind][0] for layer in layers] for kind in LINEAR_STEPS}
+    cfg = hf_config("qwen3-8b")
+    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    weights["lm_head"] = [lm_head / 64] * 4
+    norm = layers[0]["norm1"]
+    won = {}
+    for kind, step in steps.items():
+        n, k = weights[kind][0].shape
+        x = torch.randn(m, 2 * k if step.get("silu") else k, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        floor = report.read_ms(sum(w.numel() * 2 for w in weights[kind]))
+
+        def cublas(kind=kind, step=step, x=x, res=res):
+            for w in weights[kind]:
+                if step.get("norm"):
+                    F.linear(fused.rms_norm(x, norm, 1e-6), w)
+                else:
+                    torch.addmm(res, fused.silu_mul(x) if step.get("silu") else x, w.t())
+
+        planned = plan_few_row_linear(n, k, m, torch.device("cuda"))
+        candidates = [planned] + [FewRowPlan(*s) for s in FEW_ROW_CANDIDATES]
+        timings: dict = {"cublas": [graph_ms(cublas)]}
+        for _ in range(rounds):  # interleaved, so a clock or thermal drift hits every setting alike
+            for plan in candidates:
+                if timings.get(plan, [0.0])[-1] is None:
+                    continue
+
+                def chain(plan=plan, kind=kind, step=step, x=x, res=res):
+                    fuse = {"norm": (norm, 1e-6) if step.get("norm") else None, "silu_mul": bool(step.get("silu")),
+                            "residual": res if step.get("residual") else None}  # fmt: skip
+                    for w in weights[kind]:
+                        few_row_linear(x, w, plan=plan, **fuse)
+
+                try:  # a setting that does not compile (shared memory, layouts) is a sweep result, not a failure
+                    timings.setdefault(plan, []).append(graph_ms(chain))
+                except Exception as e:
+                    timings[plan] = [None]
+                    report.say(f"  {kind} {plan}: {type(e).__name__}: {str(e)[:200]}")
+        medians = {plan: sorted(v)[len(v) // 2] for plan, v in timings.items() if v[-1] is not None}
+        cublas_ms = medians.pop("cublas")
+        best = min(medians, key=medians.get)
+        label = lambda p: "/".join(str(v) for v in astuple(p))  # noqa: E731
+        report.say(f"  M={m} {kind} [{n}x{k}] x{len(weights[kind])}: weight read {floor:.3f} ms; cublas "
+                   f"{cublas_ms:.3f} ms; planned {label(planned)} {medians.get(planned, float('nan')):.3f} ms; best "
+                   f"{label(best)} {medians[best]:.3f} ms ({floor / medians[best]:.0%} of the weight read); "
+                   + " ".join(f"{label(p)}:{ms:.3f}" for p, ms in medians.items()),
+                   rows=m, kind=kind, weight_read_ms=floor, cublas_ms=cublas_ms,
+                   timings=[(label(p), ms) for p, ms in medians.items()])  # fmt: skip
+        won[kind] = (best, medians[best], cublas_ms)
+    return won
+
+
+def few_row(report: Report) -> None:
+    """The 16-row tile's plans from the sweep at 8 rows; the 32-row tile's at 32 rows, kept where they beat cuBLAS."""
+    from hsmc.ops import few_row_linear as frl
+
+    name = frl.gpu_name(torch.device("cuda"))
+    report.say(f"== few-row plans for {name!r} ==")
+    kept = frl.MEASURED_PLANS.pop(name, None)
+    try:
+        layers = layer_linears("qwen3-8b", False)
+        shapes = dict(layer_dims("qwen3-8b"), lm_head=(hf_config("qwen3-8b").vocab_size, 4096))
+        table, won = {}, {}
+        for tile, m in ((16, 8), (32, 32)):
+            swept = sweep_few_row_kinds(report, layers, m, rounds=3)
+            won[tile] = {kind: plan for kind, (plan, ms, cublas) in swept.items() if tile == 16 or ms < cublas}
+            table |= {(*shapes[kind], tile): plan for kind, plan in won[tile].items()}
+        report.say(f"  measured plans for {name!r} (`few_row_linear.MEASURED_PLANS`):",
+                   table=[[*key, *astuple(plan)] for key, plan in table.items()])  # fmt: skip
+        for (n, k, tile), plan in table.items():
+            report.say(f"        ({n}, {k}, {tile}): FewRowPlan{astuple(plan)},")
+        for m in (2, 8, 16, 24, 32):
+            x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+            plans = won[frl.row_tile(m)]
+            paths = {"default": lambda: few_row_chain(layers, x, "few" if m <= 16 else "cublas"),
+                     "measured": lambda: few_row_chain(layers, x, "few", plans)}  # fmt: skip
+            t = {path: sorted(graph_ms(run) for _ in range(5))[2] for path, run in paths.items()}
+            report.say(f"  8B Linears chained M={m}: default {t['default']:.3f} ms, measured {t['measured']:.3f} ms "
+                       f"({t['measured'] / t['default']:.3f}x)", chain_rows=m, **t)  # fmt: skip
+        layers.clear()  # free the chains before the whole model
+        torch.cuda.empty_cache()
+
+        def use(variant: str) -> None:
+            frl.MEASURED_PLANS[name] = table if variant == "measured" else {}
+
+        for m, t in time_8b_steps((2, 8, 16, 24, 32), ("default", "measured"), use, rounds=3).items():
+            report.say(f"  8B step M={m} (graph, 260 keys): weight read {t['weight_read_ms']:.3f} ms; default "
+                       f"{t['default']:.3f} ms, measured {t['measured']:.3f} ms ({t['measured'] / t['default']:.3f}x)",
+                       step_rows=m, **t)  # fmt: skip
+    finally:
+        frl.MEASURED_PLANS.pop(name, None)
+        if kept is not None:
+            frl.MEASURED_PLANS[name] = kept
+
+
+def fp8_gemm(report: Report) -> None:
+    from hsmc.ops.fp8_gemm import Fp8GemmPlan, fp8_gemm, plan_fp8_gemm
+    from hsmc.ops.fp8_linear import quantize_fp8
+
+    report.say("== weight-only FP8 GEMM at 16 rows: launch settings around the planner's ==")
+    for name, (n, k) in {"32b.gate_up": (51200, 5120), "32b.qkv": (10240, 5120)}.items():
+        w, s = quantize_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, QWEN_BLOCK)
+        x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        default = plan_fp8_gemm(16, n, k, QWEN_BLOCK[1], torch.device("cuda"))
+        plans = [default] + [Fp8GemmPlan(16, bn, 128, split, warps, 3)
+                             for bn in (32, 64, 128) for split in (1, 2, 4) for warps in (4, 8)]  # fmt: skip
+        floor = report.read_ms(w.numel() + s.numel() * 4)
+        timed = [(triton.testing.do_bench(lambda p=p: fp8_gemm(x, w, s, QWEN_BLOCK, p), return_mode="median"), p)
+                 for p in plans]  # fmt: skip
+        best_ms, best = min(timed, key=lambda t: t[0])
+        default_ms = timed[0][0]
+        report.say(f"  M=16 {name}: planner {default} {default_ms * 1e3:.0f} us ({floor / default_ms:.0%} of the "
+                   f"weight read); best {best} {best_ms * 1e3:.0f} us ({floor / best_ms:.0%})",
+                   linear=name, weight_read_ms=floor, timings=[(str(p), t) for t, p in timed])  # fmt: skip
+
+
+def w8a8(report: Report) -> None:
+    """Both operand orders (s: swapped), the planner's choice first; all layers of a kind chained in a graph."""
+    from hsmc.ops.fp8_gemm import W8A8Plan, plan_w8a8, w8a8_gemm
+    from hsmc.ops.split_k import splits_to_fill
+
+    report.say("== FP8-activation GEMM at verify sizes, qwen3-32b Linears: tile settings ==")
+    layers = layer_linears("qwen3-32b", True)
+    settings = [(64, 128, 4, 4, True), (128, 64, 4, 4, True), (64, 128, 4, 4, False), (64, 128, 4, 3, False),
+                (128, 128, 8, 3, False), (128, 128, 4, 3, False), (64, 256, 8, 3, False), (128, 256, 8, 3, False),
+                (64, 64, 4, 5, False), (32, 128, 4, 4, False)]  # fmt: skip
+    device = torch.device("cuda")
+    for m in (72, 144, 256):
+        totals: dict[str, float] = {}
+        floor = report.read_ms(weight_read_bytes(layers, LINEAR_STEPS))
+        for kind, step in LINEAR_STEPS.items():
+            n, k = layers[0][kind][0].shape
+            x = torch.randn(m, 2 * k if step.get("silu") else k, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if step.get("residual") else None
+
+            def plan_of(bm, bn, warps, stages, swap, n=n, k=k):
+                split = splits_to_fill(triton.cdiv(n, bn) * triton.cdiv(m, bm), triton.cdiv(k, 128), device)
+                return W8A8Plan(bm, bn, split, warps, stages, swap)
+
+            plans = {"planned": plan_w8a8(m, n, k, 128, device)}
+            plans |= {f"{'s' if st[4] else 'n'}{st[0]}x{st[1]}/{st[2]}/{st[3]}": plan_of(*st) for st in settings}
+            for label, plan in plans.items():
+
+                def chain(plan=plan, kind=kind, step=step, x=x, res=res):
+                    for layer in layers:
+                        h = fused.rms_norm(x, layer["norm1"], 1e-6) if step.get("norm") else x
+                        h = fused.silu_mul(h) if step.get("silu") else h
+                        w8a8_gemm(h, *layer[kind], QWEN_BLOCK, plan, res)
+
+                try:
+                    ms = graph_ms(chain)
+                except Exception as e:  # a setting that does not compile is a sweep result
+                    report.say(f"  M={m} {kind} {label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                    continue
+                totals[label] = totals.get(label, 0.0) + ms
+        ranked = sorted(totals.items(), key=lambda t: t[1])
+        report.say(f"  w8a8 32B M={m}: weight read {floor:.3f} ms; "
+                   + ", ".join(f"{label} {ms:.2f} ms ({floor / ms:.0%})" for label, ms in ranked),
+                   rows=m, weight_read_ms=floor, totals=totals)  # fmt: skip
+
+
+def attention(report: Report) -> None:
+    from hsmc.ops.paged_attention import AttentionPlan
+
+    decode_cases = [(32, 8, 1100), (32, 8, 4400), (32, 16, 300), (32, 16, 2000), (32, 16, 4096), (32, 32, 2000),
+                    (64, 8, 1100), (64, 16, 4096)]  # fmt: skip
+    verify_cases = [(64, rows, context) for rows in (8, 16) for context in (268, 1100, 2200, 4400)]
+    verify_cases += [(32, 8, context) for context in (268, 1100, 4400)]
+    for label, tokens, cases, warps in (("decode", 1, decode_cases, (2, 4, 8)), ("verify", 9, verify_cases, (4, 8))):
+        report.say(f"== {label} attention ({tokens} query tokens per row): the planner vs every setting (us) ==")
+        for heads, rows, context in cases:
+            case = AttentionCase(heads, rows, tokens, context)
+            current = case.planned()
+            reference = case.attend(current).float()
+            timings = {}
+            for splits in (1, 2, 4, 8, 16):
+                for block_n in (32, 64, 128):
+                    for w in warps:
+                        plan = AttentionPlan(current.block_t, current.block_m, splits, block_n, w)
+                        if not torch.allclose(case.attend(plan).float(), reference, atol=2e-2, rtol=2e-2):
+                            report.say(f"  H{heads} R{rows} L{context} {plan}: differs from the planner's output")
+                            continue
+                        timings[(splits, block_n, w)] = case.us_per_call(plan)
+            now = case.us_per_call(current)
+            bound = report.read_ms(case.kv_bytes) * 1e3
+            ranked = sorted(timings, key=timings.get)[:4]
+            report.say(f"G{heads // 8} R{rows:<3} L{context:<5} planner {current.splits}x{current.block_n}/"
+                       f"{current.num_warps}w {now:6.1f} us ({bound / now:.0%} of the K/V read); best (splits, "
+                       "block_n, warps): " + ", ".join(f"{k} {timings[k]:.1f}" for k in ranked),
+                       kind=label, heads=heads, rows=rows, context=context, planner_us=now, roofline_us=bound,
+                       timings={str(k): v for k, v in timings.items()})  # fmt: skip
+            del case
+
+
+def decode_forward(report: Report) -> None:
+    """Where the planner's choice shows in the step time: attention sits on the chain of dependent kernels."""
+    import hsmc.ops.triton_backend as triton_backend
+    from hsmc.bench import timed
+    from hsmc.engine.cuda_graphs import CUDAGraphs
+    from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+    from hsmc.engine.runner import ModelRunner
+    from hsmc.models.config import DecoderConfig
+    from hsmc.models.shapes import random_model
+    from hsmc.ops.paged_attention import AttentionPlan
+
+    report.say("== decode attention plans inside the 8B one-row forward ==")
+    cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
+    tables = BlockTables(SlotAllocator(8192, "cuda"), 1, 8192)
+    runner = ModelRunner(random_model(cfg, torch.bfloat16, "cuda"), tables, TritonBackend(), cfg.num_layers,
+                         cuda_graphs=True)  # fmt: skip
+    rows, one = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.ones(1, dtype=torch.int64, device="cuda")
+    planner = triton_backend.plan_attention
+    try:
+        for context in (260, 2000):
+            with torch.inference_mode():
+                tables.release(rows, 8192)
+                prompt = torch.randint(0, 1000, (1, context), device="cuda")
+                runner.forward(runner.new_tokens(rows, prompt, one * context, context), True)
+            timings = {}
+            settings = [AttentionPlan(4, 16, s, b, w) for s in (1, 2, 4, 8, 16) for b in (32, 64, 128) for w in (2, 4)]
+            for plan in [None, *settings]:
+                triton_backend.plan_attention = planner if plan is None else (lambda *a, p=plan: p)
+                runner.graphs = CUDAGraphs(runner)
+                tokens = torch.randint(0, 1000, (1, 1), device="cuda")
+                back = torch.full_like(rows, context)
+                with torch.inference_mode():
+                    step = lambda: runner.forward(runner.new_tokens(rows, tokens, one, context + 1), True)  # noqa: E731
+                    step()
+                    tables.truncate(rows, back, 1)
+                    t = timed(lambda: [(step(), tables.truncate(rows, back, 1)) for _ in range(50)]) / 50
+                timings["planner" if plan is None else f"{plan.splits}x{plan.block_n}/{plan.num_warps}w"] = t * 1e3
+            best = min(timings, key=timings.get)
+            report.say(f"context {context}: planner {timings['planner']:.3f} ms per forward; best {best} "
+                       f"{timings[best]:.3f} ms; " + " ".join(f"{k}:{v:.3f}" for k, v in timings.items()),
+                       context=context, timings=timings)  # fmt: skip
+    finally:
+        triton_backend.plan_attention = planner
+
+
+def cublaslt(report: Report) -> None:
+    """Each matrix at the rows its cuBLAS GEMMs take in the stacks (verifies of N x (K + 1) tokens, batched rejection
+    rounds and proposal steps), through cuBLAS and cuBLASLt, called as `_matmul` calls it (the residual accumulated in
+    place for `o` and `down`), four copies chained in a graph, the median of 3 interleaved rounds; printed where
+    cuBLASLt was >= 2 % faster. The 32B's matrices after an RMSNorm (qkv, gate_up, LM head) also run at 8..32 more
+    rows (the norm would write the taller input for free), printed where the fastest beat the rows' own route by
+    >= 2 %."""
+    from hsmc.ops.few_row_linear import gpu_name
+
+    report.say("== cuBLAS vs cuBLASLt vs taller products, Qwen3-8B / 32B matrices ==")
+    faster, padded, worst = [], [], 0.0
+    sizes = {"qwen3-32b": (72, 102, 144, 288, 408, 576, 1152), "qwen3-8b": (48, 64, 72, 120, 128, 144)}
+
+    def us(fn, lib: str) -> float:
+        torch.backends.cuda.preferred_blas_library(lib)
+        return graph_ms(fn) / 4 * 1e3
+
+    for shape, row_counts in sizes.items():
+        dims = layer_dims(shape) | {"lm_head": (hf_config(shape).vocab_size, layer_dims(shape)["o"][0])}
+        for name, (n, k) in dims.items():
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+            for m in row_counts:
+                taller = [m + 8 * j for j in range(1, 5)] if shape == "qwen3-32b" and name not in ("o", "down") else []
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # the taller inputs start with its rows
+                xs = {r: torch.cat([x, torch.randn(r - m, k, device="cuda", dtype=x.dtype)]) for r in taller}
+                res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+                fn = (lambda: [res.addmm_(x, w.t()) for w in ws]) if name in ("o", "down") else (
+                    lambda: [F.linear(x, w) for w in ws])  # fmt: skip
+                products = []
+                for lib in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    products.append(F.linear(x, ws[0]).float())
+                torch.backends.cuda.preferred_blas_library("cublas")
+                products += [F.linear(xs[r], ws[0])[:m].float() for r in taller]
+                worst = max([worst] + [((p - products[0]).norm() / products[0].norm()).item() for p in products[1:]])
+                cells: dict = {}
+                for _ in range(3):
+                    for lib in ("cublas", "cublaslt"):
+                        cells.setdefault(lib, []).append(us(fn, lib))
+                    for r in taller:
+                        cells.setdefault(r, []).append(us(lambda r=r: [F.linear(xs[r], w) for w in ws], "cublas"))
+                torch.backends.cuda.preferred_blas_library("cublas")
+                med = {key: sorted(v)[1] for key, v in cells.items()}
+                read_us = report.read_ms(n * k * 2) * 1e3
+                tall = "; cublas at " + " ".join(f"{r}: {med[r]:.1f}" for r in taller) if taller else ""
+                report.say(f"  {shape} {name} [{n}x{k}] M={m}: cublas {med['cublas']:.1f} us, cublaslt "
+                           f"{med['cublaslt']:.1f} us ({med['cublaslt'] / med['cublas']:.3f}x; weight read "
+                           f"{read_us:.1f} us){tall}", shape=shape, linear=name, rows=m, read_us=read_us,
+                           timings_us={str(key): v for key, v in med.items()})  # fmt: skip
+                lt = med["cublaslt"] <= 0.98 * med["cublas"]
+                if lt:
+                    faster.append(f"({n}, {k}, {m}),  # {shape} {name}: {med['cublaslt'] / med['cublas']:.3f}x")
+                own = med["cublaslt" if lt else "cublas"]
+                best = min(taller, key=med.get, default=None)
+                if best is not None and med[best] <= 0.98 * own:
+                    padded.append(f"({n}, {k}, {m}): {best},  # {shape} {name}: {med[best] / own:.3f}x")
+    report.say(f"  cuBLAS vs cuBLASLt vs taller products: largest relative difference {worst:.2e}", worst=worst)
+    device = gpu_name(torch.device("cuda"))
+    for label, lines in ((f"CUBLASLT_GEMMS, cuBLASLt >= 2 % faster on {device!r}", faster),
+                         (f"PADDED_ROWS, more rows >= 2 % faster on {device!r}", padded)):  # fmt: skip
+        report.say(f"  {label}:", table=label, entries=lines)
+        for line in lines:
+            report.say(f"        {line}")
+
+
+if __name__ == "__main__":
+    parts = {"one-row": one_row, "few-row": few_row, "fp8-gemm": fp8_gemm, "w8a8": w8a8, "attention": attention,
+             "decode-forward": decode_forward, "cublaslt": cublaslt}  # fmt: skip
+    run_parts(__doc__.split("\n\n")[0], parts, "sweep_kernels")

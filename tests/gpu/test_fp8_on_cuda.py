@@ -1,0 +1,196 @@
+"""Block-scaled FP8 compiled on the GPU: the Triton activation quantizer bit-equal to its torch definition, the
+weight-only and FP8-activation GEMMs against the product of their quantized operands on the Qwen3-32B's Linears, an
+FP8 model's logits against its dense twins, and the headline stack's shapes (FP8 32B + FP8 8B + an EAGLE3 head)
+decoding within an H100's 80 GB. tests/test_fp8.py checks the same definitions on tiny shapes, interpreted."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+from test_eagle_checkpoint import published_layout
+from test_fp8 import reference_groups
+
+from hsmc.ops.fp8_linear import QWEN_BLOCK, dequantize_fp8, fp8_linear, quantize_activations, quantize_fp8
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+LINEARS_32B = {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (51200, 5120), "down": (5120, 25600)}
+H100_BYTES = 79 * 2**30  # what an H100 80 GB leaves to a process
+
+
+def test_quantize_groups_is_bit_equal_to_its_definition():
+    """Rows whose magnitudes span 1e-4..1e3 (every binade of e4m3's scale), 200 groups of 128 per row: the same
+    scales and the same e4m3 codes as the torch definition (`quantize_activations`' rounding)."""
+    from hsmc.ops.fp8_gemm import quantize_groups
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(64, 25600, device="cuda", generator=gen) * torch.logspace(-4, 3, 64, device="cuda")[:, None]
+    x = x.bfloat16()
+    q, scale = quantize_groups(x, 128)
+    want_q, want_scale = reference_groups(x.float(), 128)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.float(), want_q.float())
+
+
+@pytest.fixture(scope="module", params=list(LINEARS_32B))
+def linear_32b(request) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One of the 32B's Linears in FP8 (e4m3 + a scale per 128 x 128 block) and its exact fp32 dequantization."""
+    n, k = LINEARS_32B[request.param]
+    gen = torch.Generator("cuda").manual_seed(n + k)
+    w, s = quantize_fp8(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5, QWEN_BLOCK)
+    return w, s, dequantize_fp8(w, s, QWEN_BLOCK, torch.float32)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+# Both sides below are bf16 roundings of the same fp32 product (the tensor cores' partial sums aside): the relative
+# distance is that of two roundings, measured 1.8e-3..2.5e-3 on an H200 at every shape and row count. A wrong scale
+# block, tile edge or K split is off by O(1).
+ROUNDING = 5e-3
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 144, 256])
+def test_weight_only_fp8_gemm_equals_the_dequantized_product(linear_32b, rows):
+    w, s, dense = linear_32b
+    x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(rows, w.shape[0], device="cuda", dtype=torch.bfloat16)
+    got = fp8_linear(x, w, s, None, QWEN_BLOCK, residual)
+    assert relative_error(got, x.float() @ dense.T + residual.float()) < ROUNDING
+
+
+@pytest.mark.parametrize("rows", [2, 16, 72, 144, 256, 1152])
+def test_fp8_activation_gemm_equals_the_product_of_quantized_operands(linear_32b, rows):
+    """`engine.fp8_activations`: rows quantized per 128 columns (the Triton quantizer), then the block-scaled FP8
+    GEMM; its reference is the fp32 product of the dequantized operands. 1152 rows: an SMC verify of 16 requests
+    (N = 8, K = 8)."""
+    w, s, dense = linear_32b
+    x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+    got = fp8_linear(x, w, s, None, QWEN_BLOCK, None, dynamic_activations=True)
+    want = quantize_activations(x.float(), 128) @ dense.T
+    assert relative_error(got, want) < ROUNDING
+    assert relative_error(got, x.float() @ dense.T) > ROUNDING  # quantized (measured 1.2e-2..2.6e-2 off the bf16 input)
+
+
+def last_logits(model, prompt: torch.Tensor, feed: list[torch.Tensor] | None) -> tuple[torch.Tensor, list]:
+    """A 64-token prompt forward of 4 rows and 16 one-token steps (fed `feed`, else the model's own argmax): the
+    logits of every step [17, 4, V] (fp32) and the tokens fed."""
+    from hsmc.engine.kv_pool import BlockTables, SlotAllocator
+    from hsmc.engine.runner import ModelRunner
+    from hsmc.ops.triton_backend import TritonBackend
+
+    tables = BlockTables(SlotAllocator(4096, "cuda"), 4, 1024)
+    runner = ModelRunner(model, tables, TritonBackend(), model.config.num_layers, cuda_graphs=True)
+    rows, one = torch.arange(4, device="cuda"), torch.ones(4, dtype=torch.int64, device="cuda")
+    with torch.inference_mode():
+        out, _ = runner.forward(runner.new_tokens(rows, prompt, one * 64, 64), True)
+        steps, fed = [out[:, -1].float()], []
+        for i in range(16):
+            token = feed[i] if feed is not None else steps[-1].argmax(-1)
+            fed.append(token)
+            out, _ = runner.forward(runner.new_tokens(rows, token[:, None], one, 65 + i), True)
+            steps.append(out[:, -1].float())
+    return torch.stack(steps), fed
+
+
+def test_fp8_model_logits_against_its_dense_twins():
+    """Two decoder layers of the Qwen3-8B's shape (every width real) with random FP8 weights, against the same
+    weights dequantized: in fp32 (exact: the reference) and in bf16. The FP8 kernels read the weights exactly where
+    bf16 rounds them, so weight-only FP8 is within 1.5x bf16's own error (run-to-run spread of the rounding); with FP8
+    activations on the prompt (e4m3 keeps 3 mantissa bits) within a tenth of the logits' spread. All models are fed
+    the weight-only FP8 model's tokens, so contexts are the same."""
+    from torch import nn
+
+    from hsmc.models.config import DecoderConfig
+    from hsmc.models.shapes import hf_config, random_model
+    from hsmc.ops.fp8_linear import Fp8Linear
+
+    hf = hf_config("qwen3-8b")
+    hf.num_hidden_layers = 2
+    cfg = DecoderConfig.from_hf(hf)
+    prompt = torch.randint(0, cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def variant(kind: str):
+        model = random_model(cfg, torch.bfloat16, "cuda", seed=5, fp8=True)
+        dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+        for name, module in list(model.named_modules()):
+            if isinstance(module, Fp8Linear):
+                if kind == "fp8 activations":
+                    module.dynamic_activations = True
+                elif kind in ("bf16", "fp32"):
+                    dense = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+                    dense.weight = nn.Parameter(module.dequantized(dtype), requires_grad=False)
+                    owner, _, child = name.rpartition(".")
+                    model.get_submodule(owner).add_module(child, dense)
+        return model.float() if kind == "fp32" else model
+
+    fp8, feed = last_logits(variant("fp8"), prompt, None)
+    logits = {kind: last_logits(variant(kind), prompt, feed)[0] for kind in ("fp8 activations", "bf16", "fp32")}
+    exact = logits["fp32"]
+    error = {kind: (got - exact).abs().mean().item() for kind, got in (("fp8", fp8), *logits.items())}
+    assert error["fp8"] <= 1.5 * error["bf16"], error
+    assert error["fp8 activations"] <= 0.1 * exact.std().item(), error
+
+
+@pytest.fixture
+def h100_memory(monkeypatch):
+    """On a GPU larger than an H100 80 GB, allocations and `kv_capacity_tokens: auto` held to an H100's memory."""
+    import hsmc.levels.stack
+
+    gc.collect()  # the earlier tests' models and graphs (runners and graphs reference each other)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    if total > H100_BYTES + 2**30:
+        real_free = hsmc.levels.stack.free_memory
+        torch.cuda.set_per_process_memory_fraction(H100_BYTES / total)
+        monkeypatch.setattr(
+            hsmc.levels.stack, "free_memory", lambda d: min(real_free(d), H100_BYTES - torch.cuda.memory_reserved(d))
+        )
+    yield
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("fp8_activations", [False, True], ids=["weight-only", "fp8-activations"])
+def test_headline_stack_shapes_in_fp8_decode_within_an_h100(h100_memory, tmp_path, fp8_activations):
+    """configs/qwen3_32b.yaml's stack on random weights of the real shapes: FP8 32B (SMC, N = 6, K = 16) over FP8 8B
+    (rejection) over an EAGLE3 head, KV auto-sized, 48 rows: two requests decode every token they ask for, and the
+    peak allocation (weights, KV, cycle graphs, activations) stays within an H100's 80 GB."""
+    from hsmc.config import load_config
+    from hsmc.decoder import HierarchicalDecoder
+    from hsmc.models.config import DecoderConfig
+    from hsmc.models.loading import LoadedModel
+    from hsmc.models.shapes import hf_config, random_model
+
+    torch.cuda.reset_peak_memory_stats()
+    big = random_model(DecoderConfig.from_hf(hf_config("qwen3-32b")), torch.bfloat16, "cuda", seed=1, fp8=True)
+    c = hf_config("qwen3-8b")
+    small = random_model(DecoderConfig.from_hf(c), torch.bfloat16, "cuda", seed=2, fp8=True)
+    sizes = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+             c.vocab_size, 32000)  # fmt: skip
+    head, _ = published_layout(tmp_path / "head", dtype=torch.bfloat16, sizes=sizes, scale=0.02)
+    head_config = json.loads((head / "config.json").read_text())  # a published head's context is its verifier's
+    head_config["max_position_embeddings"] = c.max_position_embeddings
+    (head / "config.json").write_text(json.dumps(head_config))
+    config = load_config({
+        "levels": [
+            {"kind": "eagle3", "model": str(head), "dtype": "bfloat16", "temperature": 0.6},
+            {"kind": "rejection", "model": "8b", "dtype": "bfloat16", "temperature": 0.6, "num_draft_tokens": 4},
+            {"kind": "smc", "model": "32b", "dtype": "bfloat16", "temperature": 0.6, "particles": 6, "block_size": 16},
+        ],
+        "engine": {"device": "cuda", "max_batch_rows": 48, "kv_capacity_tokens": "auto",
+                   "fp8_activations": fp8_activations},
+        "generation": {"max_new_tokens": 64, "ignore_eos": True},
+    })  # fmt: skip
+    models = {"32b": LoadedModel(big, None, "32b"), "8b": LoadedModel(small, None, "8b")}
+    decoder = HierarchicalDecoder(config, models)
+    prompts = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(0)).tolist()
+    decoder.generate(prompts, max_new_tokens=8)  # compiles the kernels and captures the graphs
+    results = decoder.generate(prompts)
+    assert [len(r.token_ids) for r in results] == [64, 64]
+    assert torch.cuda.max_memory_allocated() < H100_BYTES
