@@ -73,7 +73,9 @@ def main() -> None:
                     out = scaled_mm(q, a_s, w, b_s).float()
                     row["cublaslt_rel_err_vs_triton"] = ((out - ref).norm() / ref.norm()).item()
                     row["cublaslt_ms"] = ms(lambda: scaled_mm(q, a_s, w, b_s))
-                    row["cublaslt_with_scale_layout_ms"] = ms(lambda: scaled_mm(q, *cublas_scales(q_scale, w_scale)[:1], w, b_s))
+                    row["cublaslt_with_scale_layout_ms"] = ms(
+                        lambda: scaled_mm(q, *cublas_scales(q_scale, w_scale)[:1], w, b_s)
+                    )
                 except RuntimeError as e:
                     row["cublaslt_error"] = str(e)[:600]
                 results.append(row)
@@ -82,8 +84,12 @@ def main() -> None:
                     for key, value in row.items()
                     if key.endswith("_ms") and key != "bound_ms"
                 )
-                extra = row.get("cublaslt_error") or f"rel err {row.get('cublaslt_rel_err_vs_triton', float('nan')):.1e}"
-                print(f"{shape} {linear} [{n}x{k}] M={m}: bound {row['bound_ms']:.3f} ms; {fields}; {extra}", flush=True)
+                extra = (
+                    row.get("cublaslt_error") or f"rel err {row.get('cublaslt_rel_err_vs_triton', float('nan')):.1e}"
+                )
+                print(
+                    f"{shape} {linear} [{n}x{k}] M={m}: bound {row['bound_ms']:.3f} ms; {fields}; {extra}", flush=True
+                )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_fp8_gemm.json").write_text(json.dumps({"device": name, "rows": results}, indent=1))
