@@ -1137,9 +1137,10 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, plan=None) -> 
     """The FP8 Linear's matmul as a model runs it on the GPU (Triton up to 256 rows, else dequantize + cuBLAS),
     forced through the Triton kernel for <= 256 rows on the CPU too (interpreted)."""
     from hsmc.ops.fp8_gemm import fp8_gemm
-    from hsmc.ops.fp8_linear import QWEN_BLOCK, TRITON_MAX_ROWS, dequantize_fp8
+    from hsmc.ops.fp8_linear import QWEN_BLOCK, dequantize_fp8
+    from hsmc.ops.kernel_tuning import tuning_for
 
-    if x.shape[0] <= TRITON_MAX_ROWS:
+    if x.shape[0] <= tuning_for(x.device).fp8_weight_only_max_rows:
         return fp8_gemm(x, w, s, QWEN_BLOCK, plan)
     return torch.nn.functional.linear(x, dequantize_fp8(w, s, QWEN_BLOCK, x.dtype))
 
@@ -1806,16 +1807,25 @@ def few_row_forwards_8b(out: dict) -> None:
     """The whole Qwen3-8B forward (graph replay, 260 keys per row) at 1..16 rows, the dense Linears through the
     few-row kernels (the backend's route) and through cuBLAS (the route patched off)."""
     import hsmc.ops.triton_backend as triton_backend
+    from hsmc.ops.linear_router import Kernel, Route
 
-    route = triton_backend._few_rows
+    router_for = triton_backend.router_for
+
+    class WithoutFewRows:  # the router's routes, the few-row kernel's rows sent to cuBLAS
+        def __init__(self, device: torch.device) -> None:
+            self.router = router_for(device)
+
+        def plan(self, shape, linear, dtype, norm_fed=False) -> Route:
+            route = self.router.plan(shape, linear, dtype, norm_fed)
+            return Route(Kernel.BLAS, route.run_rows) if route.kernel is Kernel.FEW_ROWS else route
 
     def use(name: str) -> None:
-        triton_backend._few_rows = route if name == "few" else (lambda x, linear: False)
+        triton_backend.router_for = router_for if name == "few" else WithoutFewRows
 
     try:
         times = forwards_8b((1, 2, 4, 8, 16), ("cublas", "few"), use, rounds=1)
     finally:
-        triton_backend._few_rows = route
+        triton_backend.router_for = router_for
     for m, t in times.items():
         say(f"  8B forward M={m} (graph, 260 keys): weight read {t['floor_ms']:.3f} ms; cublas "
             f"{t['cublas']:.3f} ms, few {t['few']:.3f} ms; few/cublas {t['few'] / t['cublas']:.3f}")  # fmt: skip
@@ -1868,19 +1878,23 @@ PLAN_CANDIDATES = [
 
 
 def check_few_plans() -> None:
-    """The measured plans of `few_row_linear.MEASURED_PLANS` for this GPU: each Qwen3-8B Linear kind and the LM head
+    """The few-row plans of this GPU's tuning file (`hsmc/ops/tuning/`): each Qwen3-8B Linear kind and the LM head
     swept at 8 rows (the 16-row tile) and at 32 rows (the 32-row tile; kept where it beat cuBLAS), the median of 3
     interleaved rounds, the winners printed as the table's entries; then the 8B's Linears chained and the whole 8B
     step at 2..32 rows with the default route (default plans; cuBLAS past 16 rows) against the winners."""
-    from dataclasses import astuple
+    from dataclasses import astuple, replace
 
+    import hsmc.ops.triton_backend as triton_backend
     from hsmc.ops import few_row_linear as frl
+    from hsmc.ops.kernel_tuning import tuning_for
+    from hsmc.ops.linear_router import LinearRouter
 
     bandwidth = copy_bandwidth(DEVICE)
-    name = frl.gpu_name(DEVICE)
+    name = torch.cuda.get_device_name(DEVICE)
     say(f"fewplans: {name}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     out = results.setdefault("fewplans", {"bandwidth": bandwidth})
-    kept = frl.MEASURED_PLANS.pop(name, None)
+    router_for = triton_backend.router_for
+    triton_backend.router_for = lambda device: LinearRouter(replace(tuning_for(device), few_row_plans={}), device)
     try:
         layers, dims = layer_linears_of("qwen3-8b", False)
         shapes = dict(dims, lm_head=(shape_config("qwen3-8b").vocab_size, dims["o"][0]))
@@ -1907,16 +1921,16 @@ def check_few_plans() -> None:
         torch.cuda.empty_cache()
 
         def use(variant: str) -> None:
-            frl.MEASURED_PLANS[name] = table if variant == "measured" else {}
+            plans = table if variant == "measured" else {}
+            tuning = replace(tuning_for(DEVICE), few_row_plans=plans)
+            triton_backend.router_for = lambda device: LinearRouter(tuning, device)
 
         for m, t in forwards_8b((2, 8, 16, 24, 32), ("default", "measured"), use, rounds=3).items():
             say(f"  8B step M={m} (graph, 260 keys): weight read {t['floor_ms']:.3f} ms; default {t['default']:.3f} "
                 f"ms, measured {t['measured']:.3f} ms ({t['measured'] / t['default']:.3f}x)")  # fmt: skip
             out[f"8B step M={m}"] = t
     finally:
-        frl.MEASURED_PLANS.pop(name, None)
-        if kept is not None:
-            frl.MEASURED_PLANS[name] = kept
+        triton_backend.router_for = router_for
 
 
 def check_fp8_linears() -> None:
@@ -1951,14 +1965,17 @@ def check_fp8_linears() -> None:
 
 def fp8_route(x, w, s, how: dict, norm, res, dynamic: bool):
     """One FP8 Linear step over rows > 1 as the Triton backend runs it: norm / SiLU kernel, then the FP8 GEMM."""
-    from hsmc.ops import fused as fk
-    from hsmc.ops.fp8_linear import QWEN_BLOCK, fp8_linear
+    from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear
+    from hsmc.ops.linear_router import router_for
+    from hsmc.ops.triton_backend import run_route
 
-    if how.get("norm"):
-        x = fk.rms_norm(x, norm, 1e-6)
-    elif how.get("silu"):
-        x = fk.silu_mul(x)
-    return fp8_linear(x, w, s, None, QWEN_BLOCK, res if how.get("residual") else None, dynamic)
+    with torch.device("meta"):
+        linear = Fp8Linear(w.shape[1], w.shape[0], False, QWEN_BLOCK)
+    linear.weight, linear.weight_scale_inv = torch.nn.Parameter(w, False), torch.nn.Parameter(s, False)
+    linear.dynamic_activations = dynamic
+    route = router_for(x.device).plan(x.shape, linear, x.dtype, bool(how.get("norm")))
+    return run_route(route, x, linear, norm=(norm, 1e-6) if how.get("norm") else None, silu_mul=bool(how.get("silu")),
+                     residual=res if how.get("residual") else None)  # fmt: skip
 
 
 def time_fp8_linears(layers: list[dict], dims: dict, shape: str, m: int, bandwidth: float, out: dict) -> None:
@@ -2129,7 +2146,7 @@ def check_decode_attention() -> None:
 
 
 def check_blas_routes() -> None:
-    """The entries of `gemm_routes.CUBLASLT_GEMMS` and `PADDED_ROWS` for this GPU: each Qwen3-8B / 32B matrix (the LM
+    """The `cublaslt_gemms` and `padded_rows` of this GPU's tuning file: each Qwen3-8B / 32B matrix (the LM
     heads included) at the rows its cuBLAS GEMMs take in the stacks (verifies of N x (K + 1) tokens, batched
     rejection rounds and proposal steps), through cuBLAS and cuBLASLt, called as `_matmul` calls it (the residual
     accumulated in place for `o` and `down`), four copies chained in a graph, the median of 3 interleaved rounds;
@@ -2139,7 +2156,7 @@ def check_blas_routes() -> None:
     of the taller GEMMs' first rows."""
     import torch.nn.functional as F
 
-    from hsmc.ops.few_row_linear import gpu_name
+    gpu_name = torch.cuda.get_device_name
 
     bw = copy_bandwidth(DEVICE)
     out = results.setdefault("blasroutes", {"bandwidth": bw})
