@@ -19,7 +19,7 @@ from hsmc.errors import HsmcError
 from hsmc.ops.few_row_linear import FewRowPlan, default_few_row_plan
 from hsmc.ops.fp8_gemm import block_scaled_gemm, w8a8_gemm
 from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, quantize_fp8
-from hsmc.ops.kernel_tuning import BlockScaledRows, KernelTuning, current_versions, format_tuning
+from hsmc.ops.kernel_tuning import DEFAULTS, BlockScaledRows, KernelTuning, current_versions, format_tuning
 from hsmc.ops.linear_router import Kernel, Route
 from hsmc.ops.triton_backend import run_route
 
@@ -50,6 +50,7 @@ FP8_WEIGHT_ONLY_ROWS = (64, 128, 256, 512, 1024)
 FP8_ACT_ROWS = (2, 8, 16, 32, 72, 128, 144, 256, 1152)
 SCALED_MM_PROBE_ROWS = (*range(1, 33), 72, 144, 1152)
 FASTER = 0.98
+FP8_CAPABILITY = (8, 9)  # e4m3 in Triton's kernels: Ada, Hopper and newer
 
 
 def default_path() -> Path:
@@ -76,7 +77,8 @@ def tune_kernels() -> tuple[KernelTuning, str]:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     dense = {name: _dense(n, k, device) for name, (n, k, _) in QWEN3_LINEARS.items()}
-    fp8 = {name: _fp8(lin) for name, lin in dense.items() if not name.endswith("lm_head")}
+    has_fp8 = torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+    fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not name.endswith("lm_head")}
     shapes = len(QWEN3_LINEARS)
     bench = _Bench(
         shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
@@ -89,8 +91,8 @@ def tune_kernels() -> tuple[KernelTuning, str]:
         few_row_plans = _few_row_plans(bench, dense, device)
         cublaslt = _cublaslt_gemms(bench, dense)
         padded = _padded_rows(bench, dense, cublaslt)
-        weight_only_max = _fp8_weight_only_max_rows(bench, fp8)
-        block_scaled = _block_scaled_rows(bench, fp8, device)
+        weight_only_max = _fp8_weight_only_max_rows(bench, fp8) if fp8 else DEFAULTS.fp8_weight_only_max_rows
+        block_scaled = _block_scaled_rows(bench, fp8, device) if fp8 else None
     bench.bar.close()
     index = device.index
     tuning = KernelTuning(

@@ -23,7 +23,7 @@ from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, quantize_fp8
 from hsmc.ops.kernel_tuning import DEFAULTS, current_versions, packaged_tunings, tuning_for
 from hsmc.ops.linear_router import Kernel, router_for
 from hsmc.ops.triton_backend import TritonBackend
-from hsmc.ops.tune_kernels import QWEN3_LINEARS
+from hsmc.ops.tune_kernels import FP8_CAPABILITY, QWEN3_LINEARS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -73,6 +73,8 @@ def run(backend, name: str, linear: nn.Module, inputs: dict) -> torch.Tensor:
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("name, weights", CASES, ids=[f"{n.replace(' ', '-')}-{w}" for n, w in CASES])
 def test_every_route_gives_the_reference_result(modules, name, weights, rows):
+    if weights != "bf16" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        pytest.skip("FP8 kernels need compute capability 8.9 or newer")
     linear = modules(name, weights)
     n, k, norm_fed = QWEN3_LINEARS[name]
     gen = torch.Generator(device="cuda").manual_seed(rows)
