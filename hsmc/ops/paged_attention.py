@@ -1,14 +1,10 @@
 """Paged attention in Triton over page-size-1 block tables (decode, verify and prefill chunks alike).
 
-One program handles one row, one KV head, a block of BLOCK_T query tokens and one split of the
-row's context: its query tile is those tokens x the G query heads that share the KV head (GQA), so
-each key/value block is read once for all of them. Keys are gathered through the row's block
-table; causality is by column (a query at column c sees keys at columns <= c), or an explicit bool
-mask [R, T, L] replaces it (the EAGLE3 training-time test; draft trees later). Long rows are split
-along the context (flash-decoding): each split writes a partial (acc, max, sum) and a second kernel
-combines them. Scores and the softmax run in fp32 (exp2 with log2(e) folded into the scale); the
-dots take the cache's dtype (bf16/fp16, or fp32 with IEEE precision so fp32 models match the
-reference exactly).
+A program takes one row, one KV head, a block of query tokens and one split of the context; its query tile holds
+the G query heads sharing the KV head (GQA), so each key/value block is read once for all of them. Causality is by
+column, or an explicit bool mask [R, T, L] (the EAGLE3 training-time test; draft trees later). Long rows split
+along the context (flash-decoding) with a combining kernel. Softmax in fp32; fp32 models use IEEE dots so they
+match the reference exactly.
 """
 
 from __future__ import annotations
