@@ -54,7 +54,7 @@ fewlinears the qwen3-8b and qwen3-32b decoder-layer Linears (bf16) at 1, 2, 4, 8
          per Linear (and the 8B LM head) at 8 rows, the whole chain on the current path (one row: the one-row
          kernels; more: the few-row kernels) against norm / SiLU kernels + cuBLAS and against the sweep's best
          settings, and the whole 8B forward at 1..16 rows with the few-row kernels and with cuBLAS.
-fewplans the measured few-row plans for this GPU (`few_row_linear.MEASURED_PLANS`): the qwen3-8b Linears and LM head
+fewplans the measured few-row plans for this GPU (the tuning file's `few_row_plans`): the qwen3-8b Linears and LM head
          swept at 8 and 32 rows (median of 3 interleaved rounds), the table entries printed, then the Linears chained
          and the whole 8B step at 2..32 rows, the default route (cuBLAS past 16 rows) against the measured plans.
 decodeattn the whole qwen3-8b one-row forward (graph replay) with the attention plan forced to each split / key
@@ -1199,7 +1199,7 @@ def check_fp8_gemm() -> None:
         say(f"M=16 {name}: default {default} {bytes_read / default_ms / 1e9:.2f} TB/s; "
             f"best {best} {bytes_read / best_ms / 1e9:.2f} TB/s")  # fmt: skip
     # many rows (SMC verify of 48 rows x 17 tokens = 816, prefill chunks): the Triton kernel vs dequantize + cuBLAS,
-    # to place the switch (hsmc.ops.fp8_linear.TRITON_MAX_ROWS)
+    # to place the switch (the tuning file's `fp8_weight_only_max_rows`)
     from hsmc.ops.fp8_gemm import fp8_gemm
 
     name = "32b.gate_up" if not TINY else "tiny.square"
@@ -1743,7 +1743,7 @@ def sweep_few_linears(
     import torch.nn.functional as F
 
     from hsmc.ops import fused as fk
-    from hsmc.ops.few_row_linear import FewRowPlan, few_row_linear, plan_few_row_linear
+    from hsmc.ops.few_row_linear import FewRowPlan, default_few_row_plan, few_row_linear
 
     kinds = {"qkv": dict(norm=True), "o": dict(residual=True), "gate_up": dict(norm=True),
              "down": dict(silu=True, residual=True)}  # fmt: skip
@@ -1772,7 +1772,7 @@ def sweep_few_linears(
                 else:
                     torch.addmm(res, fk.silu_mul(x) if how.get("silu") else x, w.t())
 
-        planned = plan_few_row_linear(n, k, m, DEVICE)
+        planned = default_few_row_plan(n, k, DEVICE)
         timings: dict = {"cublas": [graph_ms(cublas)]}
         for _ in range(rounds):  # interleaved, so a clock or thermal drift hits every setting alike
             for setting in [planned] + [FewRowPlan(*s) for s in settings]:
