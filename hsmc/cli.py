@@ -1,5 +1,5 @@
-"""Command line: `hsmc generate`, `hsmc train-eagle`, `hsmc bench`, `hsmc eval`, each registered by one `_add_*`
-function.
+"""Command line: `hsmc generate`, `hsmc train-eagle`, `hsmc bench`, `hsmc eval`, `hsmc serve`, `hsmc tune-kernels`,
+each registered by one `_add_*` function.
 
 `key=value` config overrides may stand anywhere after the subcommand. A user error (an `HsmcError`)
 is one line `hsmc: error: ...` and exit code 2; Ctrl-C is one line `hsmc: interrupted ...` and exit
@@ -121,7 +121,22 @@ def _add_serve(sub: Any) -> None:
     cmd.set_defaults(run=_serve)
 
 
-SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_generate, _add_train_eagle, _add_bench, _add_eval, _add_serve)
+def _add_tune_kernels(sub: Any) -> None:
+    cmd = sub.add_parser(
+        "tune-kernels", help="measure this GPU's kernel choices for the Qwen3 Linears and write its tuning file"
+    )
+    cmd.add_argument("--out", help="the file to write (default: this GPU's file in the package, hsmc/ops/tuning/)")
+    cmd.set_defaults(run=_tune_kernels, overrides=[])
+
+
+SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
+    _add_generate,
+    _add_train_eagle,
+    _add_bench,
+    _add_eval,
+    _add_serve,
+    _add_tune_kernels,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +178,18 @@ def _eval(args: argparse.Namespace) -> int:
     from hsmc.evals.command import run_eval
 
     run_eval(args)
+    return 0
+
+
+def _tune_kernels(args: argparse.Namespace) -> int:
+    from hsmc.ops.tune_kernels import default_path, tune_kernels
+
+    if args.overrides:
+        raise HsmcError(f"tune-kernels takes no config overrides, got {' '.join(args.overrides)}")
+    tuning, text = tune_kernels()
+    out = Path(args.out) if args.out else default_path()
+    out.write_text(text)
+    print(f"{tuning.device_name} (sm_{''.join(map(str, tuning.capability))}): wrote {out}")
     return 0
 
 

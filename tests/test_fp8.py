@@ -68,7 +68,7 @@ def test_triton_fp8_gemm_equals_dequantized_matmul(m, n, k, block, split, dtype,
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_default_plans_equal_dequantized_matmul(m):
-    """The planner's own choice (the one-row `decode_linear` at M = 1) over a Qwen-sized scale block, ragged K."""
+    """The planner's own tiles over a Qwen-sized scale block, ragged K."""
     torch.manual_seed(m)
     w, scale = quantize_fp8(torch.randn(24, 600), (128, 128))
     x = torch.randn(m, 600)
@@ -141,6 +141,19 @@ def test_quantize_groups_kernel_equals_reference():
     q, scale = quantize_groups(x, 128)
     q_ref, scale_ref = reference_groups(x.float(), 128)
     assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+
+
+def test_quantize_groups_writes_column_major_scales_and_taller_outputs_with_the_same_values():
+    """The layout cuBLASLt's block-scaled GEMM reads: scales [rows, K/128] with strides (1, rows), both outputs
+    `rows` tall (the extra rows unset, never read); the first M rows hold what the row-major call writes."""
+    torch.manual_seed(0)
+    x = (torch.randn(5, 300) * torch.logspace(-2, 2, 5)[:, None]).to(DEVICE)
+    q, scale = quantize_groups(x, 128)
+    q_cm, scale_cm = quantize_groups(x, 128, rows=16, column_major_scales=True)
+    assert q_cm.shape == (16, 300) and q_cm.is_contiguous()
+    assert scale_cm.shape == (16, 3) and scale_cm.stride() == (1, 16)
+    assert torch.equal(q_cm[:5].float(), q.float()) and torch.equal(scale_cm[:5], scale)
+    assert scale.shape == (5, 3) and scale.is_contiguous()
 
 
 def test_fp8_activations_quantize_inputs_of_two_or_more_rows():

@@ -5,6 +5,7 @@ same comparisons compiled on the GPU over real sizes and context lengths up to 8
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -25,9 +26,11 @@ from hsmc.ops import fused  # noqa: E402
 from hsmc.ops.backend import HeadLayout, Rope, TorchBackend, rms_norm_reference  # noqa: E402
 from hsmc.ops.batch import ForwardBatch, padded_columns  # noqa: E402
 from hsmc.ops.decode_linear import DecodeLinearPlan, decode_linear  # noqa: E402
-from hsmc.ops.few_row_linear import MAX_ROWS, MEASURED_PLANS, FewRowPlan, few_row_linear  # noqa: E402
+from hsmc.ops.few_row_linear import MAX_ROWS, FewRowPlan, few_row_linear  # noqa: E402
 from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_fp8  # noqa: E402
+from hsmc.ops.kernel_tuning import DEFAULTS, packaged_tunings  # noqa: E402
 from hsmc.ops.kv_cache import KVCache  # noqa: E402
+from hsmc.ops.linear_router import LinearRouter  # noqa: E402
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
 from hsmc.ops.triton_backend import TritonBackend  # noqa: E402
 from hsmc.training.ttt import ttt_attention_batch  # noqa: E402
@@ -217,22 +220,15 @@ def test_few_row_linear_matches_reference(dtype, rows, prologue, epilogue, plan)
 
 
 @pytest.mark.parametrize(
-    "gpu, key, plan",
-    [(gpu, key, plan) for gpu, plans in MEASURED_PLANS.items() for key, plan in plans.items()],
-    ids=lambda v: str(v).replace(" ", "-") if isinstance(v, str) else None,
+    "source, plan",
+    sorted({(t.source, plan) for t in packaged_tunings() for plan in t.few_row_plans.values()}, key=str),
+    ids=str,
 )
-def test_measured_few_row_plans_are_planned_and_exact(monkeypatch, gpu, key, plan):
-    """A measured plan is what the planner gives for its GPU, shape and row tile (another shape gets the default), and
-    its tiles give the reference's result at that tile's rows (N and K ragged against them, the residual epilogue)."""
-    import hsmc.ops.few_row_linear as frl
-
-    monkeypatch.setattr(frl, "gpu_name", lambda device: gpu)
-    (n, k, tile), cpu = key, torch.device("cpu")
-    assert frl.plan_few_row_linear(n, k, tile, cpu) == plan
-    default = FewRowPlan(32, 256, frl.splits_to_fill(n // 32 + 1, k // 256, cpu))
-    assert frl.plan_few_row_linear(n + 8, k, tile, cpu) == default
+def test_tuned_few_row_plans_are_exact(source, plan):
+    """Each plan of the packaged tuning files gives the reference's result at its tiles (N and K ragged against
+    them, the residual epilogue)."""
     torch.manual_seed(0)
-    rows = tile - 3
+    rows = 13
     n, k = 2 * plan.block_n + 8, plan.split_k * plan.num_stages * plan.block_k + 40
     x = torch.randn(rows, k, device=DEVICE)
     w = torch.randn(n, k, device=DEVICE) / k**0.5
@@ -240,6 +236,14 @@ def test_measured_few_row_plans_are_planned_and_exact(monkeypatch, gpu, key, pla
     out = few_row_linear(x, w, residual=residual, plan=plan)
     ref = decode_linear_reference(x, w, None, None, False, residual)
     assert ((out.double() - ref).norm() / ref.norm()).item() < _linear_tolerance(torch.float32)
+
+
+def tuned(monkeypatch, **tables):
+    """The Triton backend routes with `tables` as this device's tuning."""
+    import hsmc.ops.triton_backend as triton_backend
+
+    tuning = dataclasses.replace(DEFAULTS, **tables)
+    monkeypatch.setattr(triton_backend, "router_for", lambda device: LinearRouter(tuning, device))
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
@@ -280,11 +284,9 @@ def test_backend_linears_match_reference(fp8, rows):
 def test_backend_routes_few_rows_to_the_few_row_kernel(rows, measured, monkeypatch):
     """2..16 rows of dense weights take `few_row_linear` in all three Linear steps, 17..32 only where the GPU has a
     measured 32-row plan for the weight; one row and more rows do not."""
-    import hsmc.ops.few_row_linear as frl
     import hsmc.ops.triton_backend as triton_backend
 
-    plans = {(32, 64, 32): FewRowPlan(32, 64)} if measured else {}  # the three Linears' weight [32, 64]
-    monkeypatch.setitem(frl.MEASURED_PLANS, frl.gpu_name(torch.device(DEVICE)), plans)
+    tuned(monkeypatch, few_row_plans={(32, 64, 32): FewRowPlan(32, 64)} if measured else {})  # weights [32, 64]
 
     calls = []
     kernel = triton_backend.few_row_linear
@@ -302,11 +304,9 @@ def test_backend_routes_few_rows_to_the_few_row_kernel(rows, measured, monkeypat
 
 @pytest.mark.parametrize("listed", [False, True], ids=["torch-choice", "measured-cublaslt"])
 def test_dense_gemms_switch_to_cublaslt_only_where_measured_faster(listed, monkeypatch):
-    """A GEMM of the backend (more than 32 rows) runs inside cuBLASLt exactly when this GPU's table lists its weight
+    """A GEMM of the backend (more than 32 rows) runs inside cuBLASLt exactly when this GPU's tuning lists its weight
     shape and row count; torch's library is restored after it (also when the GEMM raises), and the result is the
     same GEMM's."""
-    import hsmc.ops.gemm_routes as gemm_routes
-
     library = ["cublas"]
     seen = []
 
@@ -317,8 +317,7 @@ def test_dense_gemms_switch_to_cublaslt_only_where_measured_faster(listed, monke
 
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
     k, n, rows = 64, 32, MAX_ROWS + 8
-    table = frozenset({(n, k, rows)} if listed else {(n, k, rows + 1), (k, n, rows)})
-    monkeypatch.setitem(gemm_routes.CUBLASLT_GEMMS, gemm_routes.gpu_name(torch.device(DEVICE)), table)
+    tuned(monkeypatch, cublaslt_gemms=frozenset({(n, k, rows)} if listed else {(n, k, rows + 1), (k, n, rows)}))
     gemm = torch.nn.functional.linear
     monkeypatch.setattr(F, "linear", lambda *a: seen.append(library[0]) or gemm(*a))
     dense = torch.nn.Linear(k, n, bias=False).to(DEVICE)
@@ -327,21 +326,24 @@ def test_dense_gemms_switch_to_cublaslt_only_where_measured_faster(listed, monke
         got = TritonBackend().linear(x, dense)
     assert seen == ["cublaslt" if listed else "cublas"] and library == ["cublas"]
     assert torch.equal(got, gemm(x, dense.weight))
-    with pytest.raises(RuntimeError), gemm_routes.blas_library_for(n, k, rows, torch.device(DEVICE)):
-        assert library == ["cublaslt" if listed else "cublas"]
+
+    def failing(*a):
+        seen.append(library[0])
         raise RuntimeError("a failing GEMM")
-    assert library == ["cublas"]
+
+    monkeypatch.setattr(F, "linear", failing)
+    with pytest.raises(RuntimeError, match="a failing GEMM"):
+        TritonBackend().linear(x, dense)
+    assert seen[-1] == ("cublaslt" if listed else "cublas") and library == ["cublas"]
 
 
 @pytest.mark.parametrize("listed", [False, True], ids=["own-rows", "measured-padding"])
 def test_norm_fed_gemms_run_at_the_measured_rows(listed, monkeypatch):
-    """A GEMM after an RMSNorm (more than 32 rows) runs at the rows this GPU's `PADDED_ROWS` lists for its weight
-    shape and row count, and returns the same rows as the reference backend, in the input's shape."""
-    import hsmc.ops.gemm_routes as gemm_routes
-
+    """A GEMM after an RMSNorm (more than 32 rows) runs at the rows this GPU's tuning lists for its weight shape and
+    row count, and returns the same rows as the reference backend, in the input's shape."""
     k, n, rows = 64, 48, MAX_ROWS + 8
     table = {(n, k, rows): rows + 24} if listed else {(n, k, rows + 1): rows + 24, (k, n, rows): rows + 24}
-    monkeypatch.setitem(gemm_routes.PADDED_ROWS, gemm_routes.gpu_name(torch.device(DEVICE)), table)
+    tuned(monkeypatch, padded_rows=table)
     seen = []
     gemm = torch.nn.functional.linear
     monkeypatch.setattr(F, "linear", lambda x, *a: seen.append(x.numel() // x.shape[-1]) or gemm(x, *a))

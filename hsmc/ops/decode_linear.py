@@ -1,28 +1,14 @@
-"""The Linears of a one-row forward (batch-1 decode), fused with what surrounds them and chained with
-programmatic dependent launch (PDL).
+"""The Linears of a one-row forward (batch-1 decode): each one kernel with its prologue (RMSNorm, or SiLU·mul; or
+that step as its own kernel where the plan says so) and its epilogue (bias, residual add), chained by programmatic
+dependent launch (`pdl.py`).
 
-At one row a Linear reads its weight once and does almost no arithmetic, so a decode step lasts its
-weight bytes over the memory bandwidth plus whatever leaves the memory idle: the gap between kernels,
-each kernel's ramp-up and tail, and the small kernels between the matmuls (RMSNorm, SiLU·mul, residual
-add). One kernel here is a Linear with
-- a prologue: none, the RMSNorm of the residual stream (before q/k/v, gate/up and the LM head), or
-  SiLU(gate)·up (before down) -- or, where the plan says so, that step as a separate kernel before it;
-- an epilogue: the bias, and the residual add that makes the next stream (after o and down).
-
-With programmatic dependent launch (`pdl.py`) a kernel is launched while the previous one still runs: its
-programs load their first weight tile, which no kernel of a forward writes, then wait for the previous
-kernel's output and let the next kernel launch. That hides the launch gap and the ramp-up of each matmul
-behind the tail of the last.
-
-A program streams BLOCK_N weight rows in K tiles. bf16/fp16/fp32 weights accumulate elementwise and
-reduce once at the end, the next tile loading into registers while this one is multiplied. Block-scaled
-FP8 weights (Qwen's layout, read as stored) move twice the elements per byte, so their kernel is short of
-instructions rather than bandwidth: each scale block of a tile is summed, scaled and accumulated, and
-Triton pipelines the tiles through shared memory. Measured on an H200 (Qwen3-8B/32B Linears, all layers
-chained): 3.4-4.0 TB/s bf16, 3.1-4.0 TB/s FP8 (32B), against a 4.25 TB/s copy. More rows use tensor-core
-kernels (`few_row_linear.py` for 2..16 rows of dense weights, cuBLAS, `fp8_gemm`): this kernel run over 8-16
-rows measured 3x slower than cuBLAS. Rounding follows the torch reference (`TorchBackend`): normalized values,
-SiLU and its product rounded where it rounds them, and the Linear's output rounded before the residual is added.
+At one row a Linear reads its weight once and does almost no arithmetic, so a step lasts its weight bytes over the
+bandwidth plus whatever leaves the memory idle: launch gaps, ramp-ups and tails, the small kernels between the
+matmuls. Fusing removes the small kernels; PDL hides the gaps (a kernel loads its first weight tile, which nothing
+in a forward writes, before it waits for the previous one). Dense weights accumulate elementwise, the next tile
+loading into registers; FP8 weights move twice the elements per byte, so their kernel is short of instructions and
+Triton pipelines their tiles instead. Rounding follows `TorchBackend`. Measurements:
+docs/measurements/2026-11-27-ops-notes.md.
 """
 
 from __future__ import annotations
@@ -55,15 +41,9 @@ class DecodeLinearPlan:
 
 
 def plan_decode_linear(n: int, k: int, scale_block_k: int | None, prologue: int) -> DecodeLinearPlan:
-    """Settings measured on an H200 over the Qwen3-8B / 32B Linears (`scripts/sweep_kernels.py --parts
-    one-row` sweeps them, chained as a forward chains them): 8 rows x 1024 columns per program; the norm
-    fused into a Linear of up to 8192 rows (q/k/v: 16 x 512, 7 % faster than after a norm kernel), a
-    separate kernel before wider ones (gate/up, the LM head) and before down (SiLU·mul fused into down
-    read at 3.1-3.9 TB/s depending on the kernel's code around it, after a SiLU kernel at 3.7-3.8).
-    FP8 weights always take the separate kernel (the prologue would be repeated per tile in a kernel that
-    is short of instructions, not bandwidth), pipeline 3 tiles of 1024 columns, 8 rows per program, 4 below
-    6144 rows (o and down: 3.00 vs 2.37 TB/s for the 32B's o, 2.78 vs 1.97 for the 8B's down; 2026-11-24
-    `--sections linears`, docs/measurements/2026-11-24-h200-decode-final.txt)."""
+    """Settings measured best on an H200 over the Qwen3 Linears: the norm fused into Linears of up to 8192 rows, a
+    separate kernel before wider ones and before down (a fused prologue repeats per program); FP8 weights always
+    take the separate kernel and pipeline 3 tiles, 4 rows per program below 6144 rows to fill the SMs."""
     if scale_block_k is not None:
         block_k = max(scale_block_k, 1024 // scale_block_k * scale_block_k)
         return DecodeLinearPlan(8 if n >= 6144 else 4, block_k, num_stages=3, fuse_prologue=False)
@@ -139,8 +119,8 @@ def _decode_linear_kernel(
             squares += x * x
         inv = tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
-    if FP8:  # each scale block of a tile summed, scaled, accumulated; Triton pipelines the tiles (measured:
-        # loading the first tile before the wait, as dense weights do, slowed FP8 down)
+    if FP8:  # each scale block of a tile summed, scaled, accumulated; Triton pipelines the tiles (loading the
+        # first tile before the wait, as dense weights do, measured slower here)
         s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn  # a program's rows share one scale row
         y = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):

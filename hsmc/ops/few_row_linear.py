@@ -1,33 +1,18 @@
-"""The Linears of a forward of a few rows (2..32: batch-2..32 decode, the particles of an SMC proposal step, the
-verify of a rejection round over a few rows), chained by programmatic dependent launch like the one-row kernel
-(`decode_linear.py`), on the tensor cores.
+"""The Linears of a forward of 2..32 rows (batch-2..32 decode, SMC proposal steps, small verifies), on the tensor
+cores and chained by programmatic dependent launch.
 
-A few rows still read each weight once and do little arithmetic, so a Linear lasts its weight bytes over the
-bandwidth plus what leaves the memory idle. The one-row kernel's elementwise products cost M times the
-instructions at M rows (30 % of the copy bandwidth at 8 rows), so here the products run on the tensor cores
-with the operands swapped: the weight [N, K] (row-major) is the dot's left operand, a program streams
-[BLOCK_N, BLOCK_K] tiles of it, pipelined by Triton through shared memory, and multiplies each with the rows'
-input tile transposed, [BLOCK_K, 16] (the rows padded to 16 with zeros, the smallest tile of the
-instruction; 17..32 rows: 32), into an fp32 [BLOCK_N, 16 or 32] accumulator: the padding costs no weight bytes.
-
-The epilogue (bias, the residual add that makes the next stream) is inside; the first weight tile loads
-before `gdc_wait` (up to 9 % faster than after it). The RMSNorm / SiLU·mul before the Linear runs as its own
-PDL-chained kernel (`fused.py`): inside, every program repeats it for its rows, and it measured 1.2-3.6x
-slower. Matrices with too few row tiles to fill the GPU split K over programs that write fp32 partials,
-summed by one small kernel that runs the epilogue. Rounding follows the torch reference (`TorchBackend`):
-the output rounded, then the residual added. Measured on an H200, the Qwen3-8B Linears of all 36 layers
-chained read at 81-83 % of the copy bandwidth at 2..16 rows (cuBLAS after the same norm / SiLU kernels:
-73-77 %); tried and slower: loading the next tile into registers instead of Triton's pipelining, 64- and
-128-row tiles with 4-8 warps, splitting K where the row tiles fill the SMs. Past 16 rows the kernel beats
-cuBLAS only with settings measured for that GPU and 4 warps (the 8B step at 24-32 rows 2.2-2.5 % faster on an
-H200, 4.2 % on an H100; with the 16-row settings 4-5 % slower on an H200), so 17..32 rows take it only where
-`MEASURED_PLANS` has a 32-row plan for the weight.
+A few rows still read each weight once, so the weight read is the cost. The operands are swapped so that the
+weight [N, K] is the dot's left operand and the rows, padded with zeros to the instruction's 16 (or 32), its right:
+the padding costs no weight bytes. The bias and residual add run in the epilogue; the RMSNorm / SiLU·mul before
+the Linear is its own PDL-chained kernel (repeating it in every program measured slower). Matrices with too few
+row tiles to fill the GPU split K (`split_k.py`). Rounding follows `TorchBackend`. Which rows take this kernel,
+and with which plan, is the router's choice (`linear_router.py`); the measurements are in
+docs/measurements/2026-11-27-ops-notes.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
@@ -38,7 +23,7 @@ from hsmc.ops.pdl import pdl_launch
 from hsmc.ops.split_k import finish, splits_to_fill, sum_splits
 from hsmc.ops.tiles import weight_tile
 
-MAX_ROWS = 32  # rows padded to a tile of 16 or 32; more rows run cuBLAS
+MAX_ROWS = 32  # rows padded to a tile of 16 or 32; more rows run a GEMM
 
 
 @dataclass(frozen=True)
@@ -53,58 +38,15 @@ class FewRowPlan:
     num_stages: int = 4
 
 
-# Per GPU model, weight shape [N, K] and row tile (16: 2..16 rows, 32: 17..32): the fastest setting of
-# `scripts/sweep_kernels.py --parts few-row` (each of a Linear kind's layers chained at 8 or 32 rows, the median
-# of interleaved rounds). A 16-row entry replaces the default plan; a 32-row entry exists only where it beat cuBLAS,
-# and only those shapes take the kernel at 17..32 rows. Other GPUs and shapes: the default, cuBLAS past 16 rows.
-MEASURED_PLANS: dict[str, dict[tuple[int, int, int], FewRowPlan]] = {
-    "NVIDIA H200": {  # 2026-11-26: the 8B step 1.5-1.9 % faster at 2..16 rows, 2.2-2.5 % at 24-32 rows (vs cuBLAS)
-        (6144, 4096, 16): FewRowPlan(32, 128, 1, 2, 6),  # Qwen3-8B q/k/v
-        (4096, 4096, 16): FewRowPlan(64, 128, 1, 4, 8),  # o
-        (24576, 4096, 16): FewRowPlan(64, 128, 1, 2, 4),  # gate/up
-        (4096, 12288, 16): FewRowPlan(32, 128, 1, 2, 8),  # down
-        (151936, 4096, 16): FewRowPlan(32, 256, 1, 2, 3),  # LM head
-        (6144, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
-        (4096, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
-        (24576, 4096, 32): FewRowPlan(64, 128, 1, 2, 4),
-        (4096, 12288, 32): FewRowPlan(64, 128, 1, 4, 8),
-        (151936, 4096, 32): FewRowPlan(64, 64, 1, 4, 8),
-    },
-    "NVIDIA H100 80GB HBM3": {  # 2026-11-26: the 8B step 1.1-1.2 % faster at 2..16 rows, 4.2 % at 24-32 (vs cuBLAS)
-        (6144, 4096, 16): FewRowPlan(32, 128, 1, 2, 6),  # Qwen3-8B q/k/v
-        (4096, 4096, 16): FewRowPlan(64, 128, 1, 4, 6),  # o
-        (24576, 4096, 16): FewRowPlan(32, 128, 1, 2, 6),  # gate/up
-        (4096, 12288, 16): FewRowPlan(32, 128, 1, 2, 8),  # down
-        (151936, 4096, 16): FewRowPlan(32, 256, 1, 2, 5),  # LM head
-        (6144, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
-        (4096, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
-        (24576, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
-        (4096, 12288, 32): FewRowPlan(64, 128, 1, 4, 6),
-        (151936, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
-    },
-}
-
-
-@cache
-def gpu_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
-
 def row_tile(rows: int) -> int:
     """The rows padded to the kernel's row tile (the dot's smallest is 16)."""
     return 16 if rows <= 16 else 32
 
 
-def measured_plan(n: int, k: int, rows: int, device: torch.device) -> FewRowPlan | None:
-    return MEASURED_PLANS.get(gpu_name(device), {}).get((n, k, row_tile(rows)))
-
-
-def plan_few_row_linear(n: int, k: int, rows: int, device: torch.device) -> FewRowPlan:
-    """A measured plan for this GPU, shape and row tile, else 32 weight rows x 256 columns per tile, 2 warps, 4 tiles
-    in flight: within 3.5 % of each Qwen3-8B / 32B matrix's best at 8 rows on an H200 (`--sections fewlinears`). K
-    is split while the row tiles would leave SMs idle (`splits_to_fill`)."""
-    measured = measured_plan(n, k, rows, device)
-    return measured or FewRowPlan(32, 256, splits_to_fill(triton.cdiv(n, 32), triton.cdiv(k, 256), device))
+def default_few_row_plan(n: int, k: int, device: torch.device) -> FewRowPlan:
+    """32 weight rows x 256 columns per tile, 2 warps, 4 tiles in flight (within a few % of each Qwen3 matrix's
+    best at 8 rows on an H200), K split while the row tiles would leave SMs idle."""
+    return FewRowPlan(32, 256, splits_to_fill(triton.cdiv(n, 32), triton.cdiv(k, 256), device))
 
 
 @triton.jit
@@ -183,7 +125,7 @@ def few_row_linear(
     residual: torch.Tensor | None = None,
     plan: FewRowPlan | None = None,
 ) -> torch.Tensor:
-    """[residual +] (prologue(x) @ weight^T [+ bias]) for up to 16 rows x [..., K] (or [..., 2K] = [gate | up]
+    """[residual +] (prologue(x) @ weight^T [+ bias]) for up to 32 rows x [..., K] (or [..., 2K] = [gate | up]
     with `silu_mul`; rows may be strided); the prologue, RMSNorm with `norm` = (weight, eps) or SiLU·mul, runs
     as its own kernel first. `weight` [N, K] in x's dtype (bf16, fp16 or fp32)."""
     n, k = weight.shape
@@ -197,7 +139,7 @@ def few_row_linear(
         rows = fused.silu_mul(rows.contiguous())
     elif rows.stride(1) != 1:
         rows = rows.contiguous()
-    plan = plan or plan_few_row_linear(n, k, m, x.device)
+    plan = plan or default_few_row_plan(n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, plan.split_k), plan.block_k) * plan.block_k
     splits = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -1,25 +1,14 @@
-"""FP8 matmuls in Triton: y = x @ dequant(W)^T with W float8_e4m3fn and one scale per block.
+"""FP8 GEMMs over block-scaled FP8 weights (`fp8_linear.py`), for two or more rows.
 
-Decode reads every weight once per step, so a step's time is the bytes it reads: an FP8 weight is half
-the bytes of bf16. One row runs `decode_linear` (no tensor cores; it streams long tiles of a few weight
-rows). More rows run a kernel here:
+- weight-only (`fp8_gemm`): each FP8 tile converted to the activations' dtype (exact) on the tensor cores, the
+  product scaled per K tile; it keeps the weight read halved, which is what few rows are bound by.
+- FP8 activations (`w8a8_gemm`, `engine.fp8_activations`): rows quantized to e4m3 per 128 columns
+  (`quantize_groups`, the checkpoints' `activation_scheme: dynamic`), both operands on the FP8 tensor cores.
+- the same in cuBLASLt (`block_scaled_gemm`): its pipelined block-scaled kernel reaches the compute bound at many
+  rows, where the Triton kernel, scaling each K tile before the next dot, does not.
 
-- weight-only (`fp8_gemm`, the default): the FP8 tile is converted to the activation dtype (exact: every
-  e4m3 value is a bf16/fp16/fp32 value), a tensor-core dot accumulates in fp32 and the partial product is
-  scaled per K tile (a K tile never straddles a scale block, so the scale is constant along it). Exact up to
-  summation order against the dequantized weights, but the converted tile is not pipelined through shared
-  memory: on an H200 the Qwen3-32B Linears read at 55 % of the copy bandwidth at 2..16 rows and 19 % / 14 %
-  at 72 / 144 rows (a verify), half of bf16 cuBLAS's speed there.
-- FP8 activations (`w8a8_gemm`, `engine.fp8_activations`): each row is quantized to e4m3 per block of
-  columns (`quantize_groups`, the checkpoints' `activation_scheme: dynamic`, as vLLM and SGLang run them)
-  and both operands go to the FP8 tensor cores; each K tile's product is scaled by its two scales. 1.3x the
-  weight-only speed at 2..16 rows, 2x at 72..144, for a per-Linear relative error of 1-3 % (e4m3 keeps 3
-  mantissa bits) instead of 0.2 %.
-
-Few rows give too few output tiles to fill the GPU, so K is split across programs whose fp32 partials one
-more small kernel sums and rounds (split-K); with one split the kernel writes the output itself. Either
-adds the residual (the next residual stream) as it rounds. `dequantize_fp8_triton` expands a weight for
-the many-row case, where cuBLAS on the dequantized matrix wins over the weight-only kernel.
+Few rows give too few output tiles to fill the GPU, so K is split (`split_k.py`). The residual add rounds like the
+reference. Measurements: docs/measurements/2026-11-27-ops-notes.md.
 """
 
 from __future__ import annotations
@@ -30,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hsmc.ops.decode_linear import decode_linear
 from hsmc.ops.split_k import finish, multiprocessors, splits_to_fill, sum_splits
 
 
@@ -47,8 +35,7 @@ class Fp8GemmPlan:
 
 
 def plan_fp8_gemm(m: int, n: int, k: int, scale_block_k: int, device: torch.device) -> Fp8GemmPlan:
-    """Settings that measured best on an H200 over the Qwen3-8B/32B Linears (`scripts/sweep_kernels.py
-    --parts fp8-gemm`): K is split until there are about four programs per SM."""
+    """Tiles that measured best on an H200 over the Qwen3 Linears; K split to about four programs per SM."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64 if m <= 64 else 128
     block_k = min(128, scale_block_k)
@@ -120,8 +107,6 @@ def fp8_gemm(
     x's dtype; `residual` [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
-    if m == 1 and plan is None and block[0] % 8 == 0:
-        return decode_linear(x, weight, scale=scale, scale_block=block, residual=residual)
     scale_n, scale_k = block
     plan = plan or plan_fp8_gemm(m, n, k, scale_k, x.device)
     if scale_k % plan.block_k:
@@ -171,7 +156,9 @@ def dequantize_fp8_triton(
 
 
 @triton.jit
-def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+def _quantize_groups_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_sm, stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr
+):
     """GROUPS groups of GROUP columns of one row, each scaled so that its largest magnitude maps to e4m3's 448."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * GROUPS
@@ -183,19 +170,27 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, GROUP: tl.constex
     tl.store(q_ptr + row * K + cols, tl.reshape(q, (GROUPS * GROUP,)), mask=ok)
     groups = first + tl.arange(0, GROUPS)
     n_groups = tl.cdiv(K, GROUP)
-    tl.store(s_ptr + row * n_groups + groups, scale, mask=groups < n_groups)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < n_groups)
 
 
-def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x [M, K] as e4m3 with one fp32 scale per row and group of `group` columns ([M, ceil(K/group)]);
-    `hsmc.ops.fp8_linear.quantize_activations` is the reference (Triton's interpreter rounds some values to
-    e4m3 wrongly, so the GPU test compares the two: `tests/gpu/test_fp8_on_cuda.py`)."""
+def quantize_groups(
+    x: torch.Tensor, group: int, rows: int | None = None, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [M, K] as e4m3 with one fp32 scale per row and group of `group` columns ([M, ceil(K/group)]), the
+    reference being `fp8_linear.quantize_activations`. `rows` (>= M) makes both outputs taller, the extra rows
+    unset; `column_major_scales` writes the scales with strides (1, rows), as cuBLASLt's block-scaled GEMM reads
+    them (no transposing copy)."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
+    rows = rows or m
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    n_groups = triton.cdiv(k, group)
+    if column_major_scales:
+        scale = torch.empty(n_groups, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
     groups = max(1, min(8, 1024 // group))
     _quantize_groups_kernel[(m, triton.cdiv(k, group * groups))](
-        x, q, scale, k, x.stride(0), GROUP=group, GROUPS=groups, num_warps=4
+        x, q, scale, k, x.stride(0), scale.stride(0), scale.stride(1), GROUP=group, GROUPS=groups, num_warps=4
     )
     return q, scale
 
@@ -214,10 +209,8 @@ class W8A8Plan:
 
 
 def plan_w8a8(m: int, n: int, k: int, scale_block_k: int, device: torch.device) -> W8A8Plan:
-    """Settings measured on an H200 over the Qwen3-8B / 32B Linears at 2..256 rows, all layers chained
-    (`scripts/sweep_kernels.py --parts w8a8`, docs/measurements/2026-11-24-h200-fp8-w8a8-
-    sweep.txt, -w8a8-verify-sweep.txt): swapped operands up to 128 rows, the usual order above (12-15 % faster
-    at 144 and 256 rows); K is split while the tiles would leave a quarter of the SMs idle."""
+    """Tiles measured best on an H200 over the Qwen3 Linears at 2..256 rows: swapped operands up to 128 rows (few
+    rows cannot fill the instruction's 64-row side), the usual order above; K split to fill the SMs."""
     if m <= 16:
         block_m, block_n, stages, swap = 16, 128, 6, True
     elif m <= 32:
@@ -340,3 +333,22 @@ def w8a8_gemm(
     checkpoints' `activation_scheme: dynamic`), in x's dtype."""
     q, q_scale = quantize_groups(x.contiguous(), block[1])
     return w8a8_matmul(q, q_scale, weight, scale, block, x.dtype, plan, residual)
+
+
+BLOCK_SCALED = (128, 128)  # the scale blocks of its operands: 1x128 for activations, 128x128 for weights
+
+
+def block_scaled_supported(n: int, k: int, block: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether `block_scaled_gemm` takes the weight as stored: 128x128 blocks, bf16 output, and K/128 a multiple
+    of 4 (cuBLASLt's weight scales are [K/128 padded to 4, N/128] with that stride: `weight_scale_inv` transposed
+    is that view when no padding is needed, as for every Qwen3 Linear)."""
+    return block == BLOCK_SCALED and dtype == torch.bfloat16 and n % 128 == 0 and k % (4 * 128) == 0
+
+
+def block_scaled_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, run_rows: int) -> torch.Tensor:
+    """x [M, K] bf16 @ dequant(weight [N, K] e4m3, scale [N/128, K/128])^T with x quantized per row and 128 columns,
+    in cuBLASLt (`torch._scaled_mm`, CUDA only): [M, N] bf16, computed over `run_rows` >= M rows (row counts
+    cuBLASLt refuses are padded; the extra rows are never read)."""
+    q, q_scale = quantize_groups(x.contiguous(), BLOCK_SCALED[1], run_rows, column_major_scales=True)
+    out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.t(), out_dtype=x.dtype)
+    return out[: x.shape[0]]

@@ -1,19 +1,11 @@
-"""Block-scaled FP8 weights: the layout of Qwen's (and DeepSeek's) FP8 releases, and the Linear that runs it.
+"""Block-scaled FP8 weights: the layout of Qwen's (and DeepSeek's) FP8 releases, and the reference Linear on them.
 
 A weight [N, K] is stored as float8_e4m3fn with one fp32 `weight_scale_inv` per block of bn x bk entries
-([ceil(N/bn), ceil(K/bk)]); the real weight is `weight * weight_scale_inv` broadcast over each block.
-config.json says so under `quantization_config` (`quant_method: fp8`, `weight_block_size: [128, 128]`,
-`activation_scheme: dynamic`). Activations stay in the model's dtype (weight-only FP8): decode is bound
-by reading weights, and halving their bytes is what speeds it up.
-
-On CUDA, one row runs `decode_linear.py`'s kernel and up to `TRITON_MAX_ROWS` rows the Triton GEMM of
-`fp8_gemm.py` (both dequantizing in the kernel); more rows dequantize the matrix and call cuBLAS. On the
-CPU the reference dequantizes and multiplies: it is the oracle the kernel is checked against.
-
-With `dynamic_activations` (`engine.fp8_activations: true`) a Linear over two or more rows first quantizes
-its input per row and block of columns (`quantize_activations`; on CUDA the FP8 tensor-core GEMM
-`w8a8_gemm`). One row (batch-1 decode) keeps its activations: it is bound by reading the weights, and the
-one-row kernel reads them faster than the FP8 GEMM would.
+([ceil(N/bn), ceil(K/bk)]); the real weight is `weight * weight_scale_inv` broadcast over each block, as
+config.json's `quantization_config` says. Activations stay in the model's dtype (weight-only: decode is bound by
+reading weights, and halving their bytes is the speed-up), unless `engine.fp8_activations` quantizes them per row
+and block of columns (`quantize_activations`) for the FP8 tensor cores. Calling an `Fp8Linear` is the reference:
+the dequantized matmul, the oracle of the kernels the router picks (`linear_router.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +22,6 @@ from hsmc.errors import ModelLoadError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 QWEN_BLOCK = (128, 128)
-TRITON_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -108,35 +99,6 @@ def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     return q.flatten(-2)[..., :k].to(x.dtype)
 
 
-def fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    block: tuple[int, int],
-    residual: torch.Tensor | None = None,
-    dynamic_activations: bool = False,
-) -> torch.Tensor:
-    """[residual +] x @ dequant(weight)^T [+ bias]; with `dynamic_activations`, x quantized per row and
-    block[1] columns first when it has two or more rows."""
-    rows = x.numel() // x.shape[-1]
-    shape = (*x.shape[:-1], weight.shape[0])
-    quantize = dynamic_activations and rows > 1
-    if x.is_cuda and (quantize or rows <= TRITON_MAX_ROWS):
-        from hsmc.ops.fp8_gemm import fp8_gemm, w8a8_gemm
-
-        gemm = w8a8_gemm if quantize else fp8_gemm
-        x2 = x.reshape(rows, x.shape[-1])
-        if bias is None:  # the GEMM adds the residual as it rounds
-            res = residual.reshape(rows, -1) if residual is not None else None
-            return gemm(x2, weight, scale, block, residual=res).view(shape)
-        out = gemm(x2, weight, scale, block).view(shape) + bias
-    else:
-        x = quantize_activations(x, block[1]) if quantize else x
-        out = F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)
-    return out if residual is None else residual + out
-
-
 class Fp8Linear(nn.Module):
     """A Linear with a block-scaled FP8 weight; `parts` (as in `FusedLinear`) when it stands for several.
 
@@ -162,7 +124,11 @@ class Fp8Linear(nn.Module):
         self.dynamic_activations = False  # the engine's `fp8_activations`: set when a stack is built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, None, self.dynamic_activations)
+        """x @ dequant(weight)^T [+ bias]; with `dynamic_activations`, x quantized first when it has two or more
+        rows (one row, batch-1 decode, stays weight-only: it is bound by the weight read)."""
+        if self.dynamic_activations and x.numel() > x.shape[-1]:
+            x = quantize_activations(x, self.block[1])
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale_inv, self.block, dtype)

@@ -1,14 +1,7 @@
-"""Fused Triton kernels for the memory-bound steps around attention, one kernel each instead of the
-5-10 small kernels the torch reference launches per step (a decode step of a 36-layer model would
-otherwise spend more time launching elementwise kernels than reading weights). A one-row forward fuses
-the norm into q/k/v (`decode_linear.py`) and runs these, chained by programmatic dependent launch, before
-its other Linears; forwards of more rows run them before the few-row kernels (`few_row_linear.py`), cuBLAS
-or the FP8 GEMM.
-
-Each kernel reproduces the reference's rounding: values are computed in fp32 and rounded to the
-activation dtype exactly where `TorchBackend` rounds (after normalizing, after scaling by the weight,
-after each RoPE product), so bf16 outputs agree with the reference bit for bit except where fp32
-transcendental functions differ in the last place.
+"""Fused Triton kernels for the memory-bound steps around attention (RMSNorm, SiLU·mul, q/k norm + RoPE + KV write):
+one kernel each instead of the 5-10 small kernels of the torch reference, which would otherwise cost a decode step
+more than its weight reads. They round exactly where `TorchBackend` rounds (fp32 math, the activation dtype after
+each step), so bf16 results match the reference bit for bit up to the last place of fp32 transcendentals.
 """
 
 from __future__ import annotations

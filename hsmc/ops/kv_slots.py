@@ -1,19 +1,12 @@
 """A forward's KV slots allocated and appended to the rows' block tables in two launches, and rows rolled back in
-one (CUDA).
+one (CUDA): `TritonBackend.append_slots` / `rollback_slots`, with `TorchBackend`'s torch ops as the reference.
 
-`BlockTables.append` in torch ops (`TorchBackend.append_slots`, the reference) ranks the free slots by a cumulative
-sum over the whole pool, searches the ranks each row wants, bumps refcounts and writes the tables through indexed
-copies, checking both bounds: about 36 kernels, launched before every forward. Inside a graphed SMC cycle each still
-takes a couple of microseconds on the GPU's serial chain, so together they cost 60-70 µs per forward — about a third
-of the work between an SMC cycle's forwards. Here one kernel counts each chunk's free slots in parallel, and one
-program walks only the chunks that hold the ranks it needs, hands the slots out in the reference's order (the
-lowest-numbered free slots, row by row), bumps their refcounts and writes the rows' tables, lengths and slots (and
-the new tokens' columns, which are their RoPE positions): `TritonBackend.append_slots`.
-What the reference asserts comes back as two flags for `torch._assert_async`.
-
-A rollback (drafts rejected, a deferred seed, the tokens past a stop) is the same story at a smaller scale: the
-reference's ~20 kernels (bounds check, gathers, the refcount update and its pool-wide check, the lengths) become one
-program that walks the rows' last columns, releases the dropped slots with atomics and lowers the lengths.
+The reference takes about 36 small kernels per append (a pool-wide cumulative sum of free slots, searches, indexed
+copies, bounds checks) and ~20 per rollback, each on the serial chain of a graphed cycle. Here one kernel counts
+each chunk's free slots, and one program walks only the chunks holding the ranks it needs, hands out the slots in
+the reference's order (lowest-numbered free slots, row by row), bumps their refcounts and writes the tables,
+lengths, slots and new columns; a rollback is one program releasing the dropped slots with atomics. What the
+reference asserts comes back as two flags for `torch._assert_async`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Paged attention in Triton over page-size-1 block tables (decode, verify and prefill chunks alike).
 
-One program handles one row, one KV head, a block of BLOCK_T query tokens and one split of the
-row's context: its query tile is those tokens x the G query heads that share the KV head (GQA), so
-each key/value block is read once for all of them. Keys are gathered through the row's block
-table; causality is by column (a query at column c sees keys at columns <= c), or an explicit bool
-mask [R, T, L] replaces it (the EAGLE3 training-time test; draft trees later). Long rows are split
-along the context (flash-decoding): each split writes a partial (acc, max, sum) and a second kernel
-combines them. Scores and the softmax run in fp32 (exp2 with log2(e) folded into the scale); the
-dots take the cache's dtype (bf16/fp16, or fp32 with IEEE precision so fp32 models match the
-reference exactly).
+A program takes one row, one KV head, a block of query tokens and one split of the context; its query tile holds
+the G query heads sharing the KV head (GQA), so each key/value block is read once for all of them. Causality is by
+column, or an explicit bool mask [R, T, L] (the EAGLE3 training-time test; draft trees later). Long rows split
+along the context (flash-decoding) with a combining kernel. Softmax in fp32; fp32 models use IEEE dots so they
+match the reference exactly.
 """
 
 from __future__ import annotations
@@ -208,25 +204,11 @@ def plan_attention(
 ) -> AttentionPlan:
     """Query tiles of >= 16 rows (tensor-core dots) and context splits while the GPU has SMs to spare.
 
-    Measured on an H200 inside the Qwen3-8B one-row forward (`scripts/sweep_kernels.py --parts
-    decode-forward`), where attention sits on the chain of dependent kernels: a decode row's latency is its
-    longest split, so while programs are few it splits into about 64 keys (blocks of 64) up to 512 keys,
-    ~256 keys beyond; 8 splits at 260 keys took 0.16 ms less per forward than one. With more programs (16
-    rows) it splits only past 512 keys (at 16 rows the finer split cost 4 % of decode speed). Past 512 keys,
-    key blocks of 128 with 4 warps while there is at most one program per SM (one row: 2 % faster in the
-    forward at 2000 keys), else blocks of 64 with 2 warps (standalone `--sections attnvar`, 8-32 rows,
-    1100-4400 keys: 4-29 % faster than blocks of 128 with 4 warps at the same splits). "Few" is at most a
-    quarter as many (row, KV head) programs as SMs: the 8 particles of an SMC proposal step over 8 KV heads
-    (64 programs; graphed, planned for the 512-key context bucket, 64-200 keys used) ran their 8B step 0.16-0.23
-    ms (3-5 %) faster unsplit with key blocks of 128 than in 8 splits of 64 keys, the cycle 58.4-58.5 ms against
-    59.7-60.1 (2 splits: 59.1; unsplit with blocks of 64: 59.5); with the in-place residual the cycle is 1.23-1.27x
-    its bound instead of 1.27-1.32x (three H200s, 2026-11-26,
-    `docs/measurements/2026-11-26-h200-unsplit-decode-attention.txt`).
-
-    Rows of several query blocks (verify, prefill) take key blocks of 64 and split into at most one wave of
-    programs (2 per SM) and at least 512 keys per split: over 9 query tokens per row (`--sections
-    verifyattn`, G = 4 and 8, 8 and 16 rows, 268-4400 keys) that was the fastest setting or within 4 % of it,
-    where the earlier rule (blocks of 128, ~256 keys per split up to 2 programs per SM) was 1.1-1.9x slower."""
+    A decode row's latency is its longest split, so while (row, KV head) programs are few (at most a quarter of the
+    SMs) short contexts split into ~64 keys, longer ones ~256; with more programs only past 512 keys. Past 512 keys,
+    wider key blocks while there is at most one program per SM. Rows of several query blocks (verify, prefill)
+    split into at most one wave (2 programs per SM), at least 512 keys each. Tuned on an H200 inside the Qwen3
+    forwards (docs/measurements/2026-11-27-ops-notes.md); the SM count is this GPU's."""
     group = num_heads // num_kv_heads
     one_block = tokens * group <= 16  # a row's queries fill one tile
     block_t = max(1, 16 // group) if one_block else min(triton.next_power_of_2(tokens), max(1, 64 // group))

@@ -1,11 +1,8 @@
-"""Programmatic dependent launch (PDL): a kernel launched while the previous one in the stream still runs.
-
-A kernel launched with `launch_pdl` starts as soon as every program of the previous kernel has called
-`gdc_launch_dependents` (or exited); it must call `gdc_wait` before it reads what earlier kernels wrote or
-writes anything they might still read. Kernels of a one-row forward (`decode_linear`, RoPE + KV write,
-paged attention) do both at their start, after loading whatever no kernel of a forward writes (weights).
-CUDA graphs keep the launches' programmatic edges. Hopper (compute capability 9) or newer; never under
-Triton's interpreter.
+"""Programmatic dependent launch (PDL): a kernel launched while the previous one in the stream still runs, so the
+launch gap and ramp-up hide behind the previous kernel's tail. Such a kernel starts once every program of the
+previous one called `gdc_launch_dependents` (or exited) and must call `gdc_wait` before touching what earlier
+kernels write; it loads what no kernel of a forward writes (weights) before that. CUDA graphs keep the edges.
+Hopper (compute capability 9) or newer; never under Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def splits_to_fill(tiles: int, k_tiles: int, device: torch.device) -> int:
-    """K splits for `tiles` output tiles: enough to cover the SMs while the tiles would leave a quarter of them
-    idle (measured faster at 64 and 80 tiles on 132 SMs, slower at 128), at most one per K tile."""
+    """K splits for `tiles` output tiles: enough to cover this GPU's SMs while the tiles would leave a quarter of
+    them idle (below that, the extra summing kernel costs more than it saves), at most one per K tile."""
     sms = multiprocessors(device)
     return min(triton.cdiv(sms, tiles) if 4 * tiles < 3 * sms else 1, k_tiles)
 

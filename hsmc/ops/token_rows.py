@@ -1,12 +1,6 @@
 """A forward's pending tokens read from the rows' sequences, and a step's tokens appended to them: one kernel each
-on CUDA.
-
-Before a forward `SequenceState` gathers each row's unprocessed tokens (its length and KV length, their
-difference, a window of the sequence, the padding) and after a draw `TokenRows.append` writes the new tokens
-behind each row: about twenty small torch kernels per forward, each a couple of microseconds on the serial chain
-of a graphed cycle even though there is almost nothing to compute, and a rejection round runs a forward per draft
-step plus its verify. Here one program does each job for every row (`TritonBackend.pending_tokens` /
-`append_tokens`); `TorchBackend`'s torch ops are the reference.
+on CUDA (`TritonBackend.pending_tokens` / `append_tokens`; `TorchBackend`'s torch ops are the reference), instead of
+about twenty tiny torch kernels per forward on the serial chain of a graphed cycle.
 """
 
 from __future__ import annotations

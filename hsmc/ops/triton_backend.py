@@ -1,18 +1,12 @@
-"""The Triton backend: the same steps as `TorchBackend` in fused kernels, and paged attention over the
-block tables (`paged_attention.py`). Selected by `engine.attention: triton` (the default on CUDA); it
-also runs on the CPU under `TRITON_INTERPRET=1`, which is how the suite checks it against the reference
-without a GPU.
-
-A Linear of one row (batch-1 decode) is one `decode_linear` kernel with its norm or SiLU·mul and its
-residual add inside, chained to the next kernel by programmatic dependent launch. 2..16 rows of dense
-weights (17..32 where the GPU has a measured plan for the weight) run `few_row_linear` (tensor cores, the
-residual add inside, PDL) after a separate RMSNorm or SiLU·mul kernel (`fused.py`); more rows, or FP8
-weights, a GEMM (cuBLAS, or cuBLASLt and more rows where measured faster for the shape: `gemm_routes.py`; the
-residual as its `beta` term, or an FP8 GEMM with a residual epilogue: weight-only, or with
-`engine.fp8_activations` on FP8 activations) after the same kernels."""
+"""The Triton backend: the steps of `TorchBackend` in fused kernels and paged attention over the block tables.
+Selected by `engine.attention: triton` (the default on CUDA); on the CPU it runs under `TRITON_INTERPRET=1`, which
+is how the suite checks it against the reference without a GPU. Each Linear runs the route `linear_router.py`
+picks for its shape (`run_route` executes one)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,10 +18,11 @@ from hsmc.ops import fused, kv_slots, token_rows, vocab
 from hsmc.ops.backend import BAD_ROLLBACK, OUT_OF_SLOTS, OVER_RELEASED, ROW_OVERFLOW, HeadLayout, RMSNormWeight, Rope
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.decode_linear import decode_linear
-from hsmc.ops.few_row_linear import MAX_ROWS, few_row_linear, measured_plan
-from hsmc.ops.fp8_linear import Fp8Linear, fp8_linear
-from hsmc.ops.gemm_routes import blas_library_for, gemm_rows
+from hsmc.ops.few_row_linear import few_row_linear
+from hsmc.ops.fp8_gemm import block_scaled_gemm, fp8_gemm, w8a8_gemm
+from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_activations
 from hsmc.ops.kv_cache import KVCache
+from hsmc.ops.linear_router import Kernel, Route, router_for
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
 
 if TYPE_CHECKING:
@@ -57,25 +52,13 @@ class TritonBackend:
         return fused.rms_norm(x, weight, eps)
 
     def linear(self, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if _one_row(x, linear):
-            return decode_linear(x, **_weights(linear), residual=residual)
-        if _few_rows(x, linear):
-            return few_row_linear(x, linear.weight, bias=linear.bias, residual=residual)
-        return _matmul(x, linear, residual)
+        return run_route(_plan(x, linear), x, linear, residual=residual)
 
     def norm_linear(self, stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
-        if _one_row(stream, linear):
-            return decode_linear(stream, **_weights(linear), norm=(norm.weight, norm.eps))
-        if _few_rows(stream, linear):
-            return few_row_linear(stream, linear.weight, bias=linear.bias, norm=(norm.weight, norm.eps))
-        return _norm_matmul(stream, norm, linear)
+        return run_route(_plan(stream, linear, norm_fed=True), stream, linear, norm=(norm.weight, norm.eps))
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
-        if _one_row(gate_up, linear):
-            return decode_linear(gate_up, **_weights(linear), silu_mul=True, residual=residual)
-        if _few_rows(gate_up, linear):
-            return few_row_linear(gate_up, linear.weight, bias=linear.bias, silu_mul=True, residual=residual)
-        return _matmul(fused.silu_mul(gate_up), linear, residual)
+        return run_route(_plan(gate_up, linear), gate_up, linear, silu_mul=True, residual=residual)
 
     def qkv_to_cache(
         self,
@@ -157,54 +140,80 @@ class TritonBackend:
         return vocab.logsumexp_rows(logits, scale.double(), floor.float())
 
 
-def _one_row(x: torch.Tensor, linear: nn.Module) -> bool:
-    """One row goes through `decode_linear` (FP8 when its tiles fit the scale blocks, as Qwen's 128x128 do)."""
-    return x.numel() == x.shape[-1] and (not isinstance(linear, Fp8Linear) or linear.block[0] % 8 == 0)
+def _plan(x: torch.Tensor, linear: nn.Module, norm_fed: bool = False) -> Route:
+    return router_for(x.device).plan(x.shape, linear, x.dtype, norm_fed)
 
 
-def _few_rows(x: torch.Tensor, linear: nn.Module) -> bool:
-    """2..16 rows of dense weights go through `few_row_linear`, 17..32 where this GPU has a measured 32-row plan
-    for the weight (it beat cuBLAS there); FP8 weights keep their GEMM."""
+def run_route(
+    route: Route,
+    x: torch.Tensor,
+    linear: nn.Module,
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[residual +] linear(prologue(x)) through `route`; the prologue is RMSNorm with `norm` = (weight, eps) or
+    SiLU·mul of x = [gate | up] (a residual is consumed: the result may be that tensor, added into)."""
+    if route.kernel is Kernel.ONE_ROW:
+        return decode_linear(x, **_weights(linear), norm=norm, silu_mul=silu_mul, residual=residual)
+    if route.kernel is Kernel.FEW_ROWS:
+        return few_row_linear(
+            x, linear.weight, bias=linear.bias, norm=norm, silu_mul=silu_mul, residual=residual, plan=route.few_row_plan
+        )
+    n, k = linear.weight.shape
     rows = x.numel() // x.shape[-1]
-    if isinstance(linear, Fp8Linear) or rows > MAX_ROWS:
-        return False
-    return rows <= 16 or measured_plan(*linear.weight.shape, rows, x.device) is not None
+    if norm is not None:  # into the first rows of a buffer of the route's rows: the rest is never read back
+        inputs = x.new_empty(route.run_rows if route.kernel is Kernel.BLAS else rows, k)
+        fused.rms_norm(x, *norm, out=inputs[:rows])
+    else:
+        inputs = fused.silu_mul(x.contiguous()) if silu_mul else x
+    out = _gemm(route, inputs.reshape(-1, k), linear, residual.reshape(rows, n) if residual is not None else None)
+    return out[:rows].view(*x.shape[:-1], n)
+
+
+def _gemm(route: Route, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
+    """[residual +] x @ weight^T [+ bias] for the GEMM routes, x [rows, K] (BLAS: [run_rows, K])."""
+    kernel, bias = route.kernel, linear.bias
+    if kernel is Kernel.BLAS:
+        with _blas_library(route.cublaslt):
+            if residual is None:
+                return F.linear(x, linear.weight, bias)
+            if bias is not None or not residual.is_contiguous():
+                return residual + F.linear(x, linear.weight, bias)
+            # cuBLAS accumulates into the (consumed) residual in place: `addmm` would first copy it
+            return residual.addmm_(x, linear.weight.t())
+    weight, scale, block = linear.weight, linear.weight_scale_inv, linear.block
+    if kernel in (Kernel.FP8_TRITON, Kernel.FP8_ACT_TRITON):
+        gemm = fp8_gemm if kernel is Kernel.FP8_TRITON else w8a8_gemm
+        if bias is None:  # the kernel adds the residual as it rounds
+            return gemm(x, weight, scale, block, residual=residual)
+        out = gemm(x, weight, scale, block) + bias
+    elif kernel is Kernel.FP8_ACT_CUBLASLT:
+        out = block_scaled_gemm(x, weight, scale, route.run_rows)
+        out = out + bias if bias is not None else out
+    else:  # FP8_DEQUANTIZED, FP8_ACT_REFERENCE
+        x = quantize_activations(x, block[1]) if kernel is Kernel.FP8_ACT_REFERENCE else x
+        out = F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)
+    return out if residual is None else residual + out
+
+
+@contextmanager
+def _blas_library(cublaslt: bool) -> Iterator[None]:
+    """cuBLASLt inside the block when asked for (a CUDA graph keeps the kernel chosen at capture); torch's choice
+    otherwise, and restored after."""
+    if not cublaslt:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def _weights(linear: nn.Module) -> dict:
     if isinstance(linear, Fp8Linear):
         return dict(weight=linear.weight, scale=linear.weight_scale_inv, scale_block=linear.block, bias=linear.bias)
     return dict(weight=linear.weight, bias=linear.bias)
-
-
-def _matmul(x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
-    """[residual +] linear(x) as one GEMM where the GEMM can add the residual: cuBLAS accumulates into the
-    (consumed) residual in place, as `torch.addmm` into a new tensor would first copy it there (a copy node
-    per Linear that breaks the chain of dependent launches: two per layer in a verify). Dense GEMMs run in the
-    BLAS library measured faster for their shape on this GPU (`gemm_routes.py`)."""
-    if isinstance(linear, Fp8Linear):
-        return fp8_linear(
-            x, linear.weight, linear.weight_scale_inv, linear.bias, linear.block, residual, linear.dynamic_activations
-        )
-    n, k = linear.weight.shape
-    with blas_library_for(n, k, x.numel() // k, x.device):
-        if residual is None:
-            return F.linear(x, linear.weight, linear.bias)
-        if linear.bias is not None or not residual.is_contiguous():
-            return residual + F.linear(x, linear.weight, linear.bias)
-        residual.view(-1, n).addmm_(x.reshape(-1, k), linear.weight.t())
-        return residual
-
-
-def _norm_matmul(stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
-    """linear(RMSNorm(stream)) through a GEMM, run at the rows measured fastest for the dense weight on this GPU
-    (`gemm_routes.PADDED_ROWS`): the norm writes its rows into a taller buffer whose extra rows stay unset, and only
-    the GEMM's first rows are kept (each output row depends on its own input row alone)."""
-    k = stream.shape[-1]
-    rows = stream.numel() // k
-    run = rows if isinstance(linear, Fp8Linear) else gemm_rows(linear.weight.shape[0], k, rows, stream.device)
-    if run == rows:
-        return _matmul(fused.rms_norm(stream, norm.weight, norm.eps), linear, None)
-    normed = stream.new_empty(run, k)
-    fused.rms_norm(stream, norm.weight, norm.eps, out=normed[:rows])
-    return _matmul(normed, linear, None)[:rows].view(*stream.shape[:-1], -1)

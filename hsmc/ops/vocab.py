@@ -1,19 +1,12 @@
-"""Reductions over a row of logits in one pass: a Gumbel-max draw with its log-probability, and log-normalizers.
+"""Reductions over a row of logits in one pass: a Gumbel-max draw with its log-probability, and log-normalizers
+(`TritonBackend.gumbel_max` / `logsumexp_rows`; `TorchBackend`'s are the reference).
 
-A sampling step or an SMC weight reads each row of logits (152k values for Qwen3) a few times in torch -- a
-float copy, the scaling, uniform noise and its two logarithms, the argmax, a log-softmax, a gather: about
-fourteen kernels over [rows, vocabulary] per draw, each a separate launch on the chain of a graphed cycle. Here
-the row is read once: programs reduce blocks of it to partial results (the best noisy score, its token and
-logit, the block's max and sum of exponentials), and one small kernel per row combines them.
-
-Every row is its own request: it brings its scale (1 / temperature, 0 for greedy), its truncation (top-k /
-top-p as a floor on the raw logits) and its key. The noise is Philox keyed by the row's key with the column as
-counter -- not the row -- so a draw depends only on that row's logits, scale, floor and key, never on where the
-row sits in the batch or on the other rows: a seeded request gives the same tokens whatever batch it shares.
-Everything comes in device tensors, so a step needs no host read and can be captured in a CUDA graph. These
-kernels are `TritonBackend.gumbel_max` / `logsumexp_rows`; `TorchBackend`'s are the reference (its noise is the
-splitmix64 hash of `hsmc.ops.counter_hash`, so the two draw the same law with other bits). The tests run them
-through Triton's interpreter, whose chi-square checks hold them to the exact law.
+In torch a draw reads each row of logits (152k values for Qwen3) about fourteen times in separate kernels on the
+chain of a graphed cycle; here programs reduce blocks of the row to partial results and one small kernel per row
+combines them. Each row brings its own scale (1 / temperature, 0 for greedy), top-k / top-p floor and key; the
+noise is Philox keyed by the row's key with the column as counter, so a seeded request draws the same tokens in
+any batch, with no host read (graph-capturable). The reference's noise is `counter_hash`'s splitmix64: the same law,
+other bits; the tests hold both to the exact law.
 """
 
 from __future__ import annotations

@@ -1,0 +1,237 @@
+"""`hsmc tune-kernels`: measure on this GPU the choices the router reads from a tuning file (`kernel_tuning.py`) and
+write that file. Each candidate runs as the backend runs it (`triton_backend.run_route`) on random weights of the
+Qwen3-8B / 32B Linear shapes at the row counts the engine runs; a choice other than the default is recorded where
+it took at most `FASTER` of the default's time (the median of `triton.testing.do_bench`, L2 flushed per call)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+import torch
+import triton
+from torch import nn
+from tqdm import tqdm
+
+from hsmc.errors import HsmcError
+from hsmc.ops.few_row_linear import FewRowPlan, default_few_row_plan
+from hsmc.ops.fp8_gemm import block_scaled_gemm, w8a8_gemm
+from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, quantize_fp8
+from hsmc.ops.kernel_tuning import DEFAULTS, BlockScaledRows, KernelTuning, current_versions, format_tuning
+from hsmc.ops.linear_router import Kernel, Route
+from hsmc.ops.triton_backend import run_route
+
+# name -> (N, K, fed by an RMSNorm); the LM heads stay bf16 in FP8 checkpoints
+QWEN3_LINEARS: dict[str, tuple[int, int, bool]] = {
+    "qwen3-8b qkv": (6144, 4096, True),
+    "qwen3-8b o": (4096, 4096, False),
+    "qwen3-8b gate_up": (24576, 4096, True),
+    "qwen3-8b down": (4096, 12288, False),
+    "qwen3-8b lm_head": (151936, 4096, True),
+    "qwen3-32b qkv": (10240, 5120, True),
+    "qwen3-32b o": (5120, 8192, False),
+    "qwen3-32b gate_up": (51200, 5120, True),
+    "qwen3-32b down": (5120, 25600, False),
+    "qwen3-32b lm_head": (151936, 5120, True),
+}
+FEW_ROW_CANDIDATES = [
+    FewRowPlan(block_n, block_k, 1, warps, stages)
+    for block_n in (32, 64)
+    for block_k in (128, 256)
+    for warps in (2, 4)
+    for stages in (4, 6, 8)
+]
+FEW_ROW_TILES = {16: 8, 32: 32}  # row tile -> rows it is timed at
+GEMM_ROWS = (48, 64, 72, 102, 120, 128, 144, 256, 1152)  # verify blocks and proposal steps of the stacks
+PAD_ROWS, PAD_STEPS = (72, 144, 1152), (8, 16, 24, 32)
+FP8_WEIGHT_ONLY_ROWS = (64, 128, 256, 512, 1024)
+FP8_ACT_ROWS = (2, 8, 16, 32, 72, 128, 144, 256, 1152)
+SCALED_MM_PROBE_ROWS = (*range(1, 33), 72, 144, 1152)
+FASTER = 0.98
+FP8_CAPABILITY = (8, 9)  # e4m3 in Triton's kernels: Ada, Hopper and newer
+
+
+def default_path() -> Path:
+    """This GPU's file in the package's tuning folder."""
+    slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    return Path(__file__).parent / "tuning" / f"{slug}-torch-{torch.__version__}.json"
+
+
+class _Bench:
+    """Times closures, one progress bar over all of them."""
+
+    def __init__(self, total: int) -> None:
+        self.bar = tqdm(total=total, desc="tune-kernels", unit="timing")
+
+    def ms(self, fn: Callable[[], object]) -> float:
+        self.bar.update()
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def tune_kernels() -> tuple[KernelTuning, str]:
+    """Measure this GPU; (the tuning, its file's text)."""
+    if not torch.cuda.is_available():
+        raise HsmcError("hsmc tune-kernels measures kernels on a CUDA GPU and none is visible")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    dense = {name: _dense(n, k, device) for name, (n, k, _) in QWEN3_LINEARS.items()}
+    has_fp8 = torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+    fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not name.endswith("lm_head")}
+    shapes = len(QWEN3_LINEARS)
+    bench = _Bench(
+        shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
+        + shapes
+        + shapes * len(GEMM_ROWS) * 2
+        + sum(norm for *_, norm in QWEN3_LINEARS.values()) * len(PAD_ROWS) * (len(PAD_STEPS) + 1)
+        + len(fp8) * (len(FP8_WEIGHT_ONLY_ROWS) + len(FP8_ACT_ROWS)) * 2
+    )
+    with torch.no_grad():
+        few_row_plans = _few_row_plans(bench, dense, device)
+        cublaslt = _cublaslt_gemms(bench, dense)
+        padded = _padded_rows(bench, dense, cublaslt)
+        weight_only_max = _fp8_weight_only_max_rows(bench, fp8) if fp8 else DEFAULTS.fp8_weight_only_max_rows
+        block_scaled = _block_scaled_rows(bench, fp8, device) if fp8 else None
+    bench.bar.close()
+    index = device.index
+    tuning = KernelTuning(
+        torch.cuda.get_device_name(index),
+        torch.cuda.get_device_capability(index),
+        current_versions(),
+        f"{date.today()}: hsmc tune-kernels",
+        few_row_plans,
+        frozenset(cublaslt),
+        padded,
+        weight_only_max,
+        block_scaled,
+    )
+    labels = {(n, k): name for name, (n, k, _) in QWEN3_LINEARS.items()}
+    return tuning, format_tuning(tuning, labels)
+
+
+def _dense(n: int, k: int, device: torch.device) -> nn.Linear:
+    linear = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    nn.init.normal_(linear.weight, std=k**-0.5)
+    return linear.requires_grad_(False)
+
+
+def _fp8(linear: nn.Linear) -> Fp8Linear:
+    n, k = linear.weight.shape
+    module = Fp8Linear(k, n, False, QWEN_BLOCK).to(linear.weight.device)
+    module.weight.data, module.weight_scale_inv.data = quantize_fp8(linear.weight, QWEN_BLOCK)
+    return module
+
+
+def _inputs(rows: int, linear: nn.Module, norm: bool) -> dict:
+    """run_route's keywords for a norm-fed Linear or one with a residual (o, down), as the backend calls them."""
+    k, n = linear.in_features, linear.out_features
+    x = torch.randn(rows, k, device=linear.weight.device, dtype=torch.bfloat16)
+    if norm:
+        return {"x": x, "norm": (torch.ones(k, device=x.device, dtype=x.dtype), 1e-6)}
+    return {"x": x, "residual": torch.randn(rows, n, device=x.device, dtype=x.dtype)}
+
+
+def _time(bench: _Bench, route: Route, linear: nn.Module, inputs: dict) -> float:
+    return bench.ms(lambda: run_route(route, linear=linear, **inputs))
+
+
+def _few_row_plans(bench: _Bench, dense: dict[str, nn.Linear], device: torch.device) -> dict:
+    """The fastest plan per shape and row tile; a 32-row plan only where it beats the GEMM."""
+    plans = {}
+    for name, (n, k, norm) in QWEN3_LINEARS.items():
+        for tile, rows in FEW_ROW_TILES.items():
+            inputs = _inputs(rows, dense[name], norm)
+            default = default_few_row_plan(n, k, device)
+            timed = {
+                plan: _time(bench, Route(Kernel.FEW_ROWS, rows, few_row_plan=plan), dense[name], inputs)
+                for plan in (default, *FEW_ROW_CANDIDATES)
+            }
+            best = min(timed, key=timed.get)
+            # 2..16 rows take the kernel anyway (its default plan unless another is faster); 17..32 where it wins
+            baseline = timed[default] if tile == 16 else _time(bench, Route(Kernel.BLAS, rows), dense[name], inputs)
+            if timed[best] <= FASTER * baseline:
+                plans[n, k, tile] = best
+    return plans
+
+
+def _cublaslt_gemms(bench: _Bench, dense: dict[str, nn.Linear]) -> set[tuple[int, int, int]]:
+    faster = set()
+    for name, (n, k, norm) in QWEN3_LINEARS.items():
+        for rows in GEMM_ROWS:
+            inputs = _inputs(rows, dense[name], norm)
+            cublas_ms, cublaslt_ms = (
+                _time(bench, Route(Kernel.BLAS, rows, cublaslt=library), dense[name], inputs)
+                for library in (False, True)
+            )
+            if cublaslt_ms <= FASTER * cublas_ms:
+                faster.add((n, k, rows))
+    return faster
+
+
+def _padded_rows(bench: _Bench, dense: dict[str, nn.Linear], cublaslt: set) -> dict[tuple[int, int, int], int]:
+    """Norm-fed GEMMs: more rows where the libraries' heuristics pick a faster kernel for them."""
+    padded = {}
+    for name, (n, k, norm) in QWEN3_LINEARS.items():
+        if not norm:
+            continue
+        for rows in PAD_ROWS:
+            inputs = _inputs(rows, dense[name], True)
+            timed = {
+                run: _time(bench, Route(Kernel.BLAS, run, (n, k, run) in cublaslt), dense[name], inputs)
+                for run in (rows, *(rows + step for step in PAD_STEPS))
+            }
+            best = min(timed, key=timed.get)
+            if timed[best] <= FASTER * timed[rows]:
+                padded[n, k, rows] = best
+    return padded
+
+
+def _fp8_weight_only_max_rows(bench: _Bench, fp8: dict[str, Fp8Linear]) -> int:
+    """The most rows up to which the Triton weight-only GEMM beats dequantizing for cuBLAS, over all shapes."""
+    most = 32
+    for rows in FP8_WEIGHT_ONLY_ROWS:
+        triton_ms = dequantized_ms = 0.0
+        for name, linear in fp8.items():
+            inputs = _inputs(rows, linear, QWEN3_LINEARS[name][2])
+            triton_ms += _time(bench, Route(Kernel.FP8_TRITON, rows), linear, inputs)
+            dequantized_ms += _time(bench, Route(Kernel.FP8_DEQUANTIZED, rows), linear, inputs)
+        if triton_ms > dequantized_ms:
+            break
+        most = rows
+    return most
+
+
+def _block_scaled_rows(bench: _Bench, fp8: dict[str, Fp8Linear], device: torch.device) -> BlockScaledRows | None:
+    """cuBLASLt block-scaled FP8: the row multiple it accepts, and the fewest rows from which it beats Triton."""
+    multiple = _scaled_mm_row_multiple(device)
+    if multiple is None:
+        return None
+    wins = []
+    for rows in FP8_ACT_ROWS:
+        run = -(-rows // multiple) * multiple
+        triton_ms = cublaslt_ms = 0.0
+        for name, linear in fp8.items():
+            inputs = _inputs(rows, linear, QWEN3_LINEARS[name][2])
+            triton_ms += _time(bench, Route(Kernel.FP8_ACT_TRITON, rows), linear, inputs)
+            cublaslt_ms += _time(bench, Route(Kernel.FP8_ACT_CUBLASLT, run), linear, inputs)
+        wins.append(cublaslt_ms <= FASTER * triton_ms)
+    first = next((i for i in range(len(wins)) if all(wins[i:])), None)
+    return BlockScaledRows(FP8_ACT_ROWS[first], multiple) if first is not None else None
+
+
+def _scaled_mm_row_multiple(device: torch.device) -> int | None:
+    """The smallest power of two whose every probed multiple cuBLASLt's block-scaled GEMM runs and agrees with the
+    Triton GEMM on (None: none)."""
+    weight, scale = quantize_fp8(torch.randn(256, 512, device=device), QWEN_BLOCK)
+    ok = {}
+    for rows in SCALED_MM_PROBE_ROWS:
+        x = torch.randn(rows, 512, device=device, dtype=torch.bfloat16)
+        try:
+            got = block_scaled_gemm(x, weight, scale, rows).float()
+        except RuntimeError:  # CUBLAS_STATUS_NOT_SUPPORTED
+            ok[rows] = False
+            continue
+        want = w8a8_gemm(x, weight, scale, QWEN_BLOCK).float()
+        ok[rows] = bool((got - want).norm() <= 1e-3 * want.norm())
+    return next((p for p in (1, 2, 4, 8, 16, 32) if all(v for rows, v in ok.items() if rows % p == 0)), None)

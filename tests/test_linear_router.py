@@ -1,0 +1,220 @@
+"""The Linear router and its tuning files: the routes it picks from a GPU's file (without a GPU: only the choice is
+checked here, tests/gpu/test_router.py runs them), a file for another GPU or library version left unused with one
+log line, the packaged files against the schema, and `hsmc tune-kernels` without a GPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib import resources
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+from hsmc.cli import main  # noqa: E402
+from hsmc.ops import split_k  # noqa: E402
+from hsmc.ops.few_row_linear import FewRowPlan  # noqa: E402
+from hsmc.ops.fp8_linear import Fp8Linear  # noqa: E402
+from hsmc.ops.kernel_tuning import (  # noqa: E402
+    DEFAULTS,
+    BlockScaledRows,
+    KernelTuning,
+    Versions,
+    format_tuning,
+    packaged_tunings,
+    read_tuning,
+    select_tuning,
+)
+from hsmc.ops.linear_router import Kernel, LinearRouter, Route  # noqa: E402
+
+H100 = "NVIDIA H100 80GB HBM3"
+MEASURED_WITH = Versions("2.11.0+cu130", "13.0", None)
+CUDA = torch.device("cuda", 0)
+SCHEMA_KEYS = {
+    "schema_version",
+    "device",
+    "versions",
+    "measured",
+    "few_row_plans",
+    "cublaslt_gemms",
+    "padded_rows",
+    "fp8_weight_only_max_rows",
+    "fp8_block_scaled",
+}
+
+
+def packaged(name: str) -> KernelTuning:
+    return next(t for t in packaged_tunings() if t.device_name == name)
+
+
+def dense(n: int, k: int) -> nn.Module:
+    return nn.Linear(k, n, bias=False, device="meta")
+
+
+def fp8(n: int, k: int, dynamic: bool, block: tuple[int, int] = (128, 128)) -> Fp8Linear:
+    with torch.device("meta"):
+        module = Fp8Linear(k, n, False, block)
+    module.dynamic_activations = dynamic
+    return module
+
+
+def route(router: LinearRouter, rows: int, linear: nn.Module, **kw) -> Route:
+    return router.plan(torch.Size((rows, linear.in_features)), linear, kw.pop("dtype", torch.bfloat16), **kw)
+
+
+def test_h100_file_routes_dense_linears(monkeypatch):
+    """One row: the one-row kernel; 2..16: the few-row kernel with the file's plan for the shape (else the default);
+    17..32: the few-row kernel only where the file has a 32-row plan; more: the GEMM, in cuBLASLt where listed."""
+    monkeypatch.setattr(split_k, "multiprocessors", lambda device: 132)
+    router = LinearRouter(packaged(H100), CUDA)
+    qkv_8b, o_32b, down_8b = dense(6144, 4096), dense(5120, 8192), dense(4096, 12288)
+    assert route(router, 1, qkv_8b) == Route(Kernel.ONE_ROW, 1)
+    assert route(router, 8, qkv_8b) == Route(Kernel.FEW_ROWS, 8, few_row_plan=FewRowPlan(32, 128, 1, 2, 6))
+    assert route(router, 24, qkv_8b) == Route(Kernel.FEW_ROWS, 24, few_row_plan=FewRowPlan(64, 128, 1, 4, 6))
+    assert route(router, 8, o_32b) == Route(Kernel.FEW_ROWS, 8, few_row_plan=FewRowPlan(32, 256, 1))  # default
+    assert route(router, 24, o_32b) == Route(Kernel.BLAS, 24)  # no 32-row plan for the 32B
+    assert route(router, 72, o_32b) == Route(Kernel.BLAS, 72, cublaslt=True)
+    assert route(router, 73, o_32b) == Route(Kernel.BLAS, 73)
+    assert route(router, 144, down_8b) == Route(Kernel.BLAS, 144, cublaslt=True)
+    assert route(router, 72, dense(51200, 5120), norm_fed=True) == Route(Kernel.BLAS, 72)  # padding: H200 only
+
+
+def test_h200_file_pads_norm_fed_gemms_only():
+    router = LinearRouter(packaged("NVIDIA H200"), CUDA)
+    gate_up = dense(51200, 5120)
+    assert route(router, 72, gate_up, norm_fed=True) == Route(Kernel.BLAS, 88)
+    assert route(router, 1152, gate_up, norm_fed=True) == Route(Kernel.BLAS, 1160)
+    assert route(router, 72, gate_up) == Route(Kernel.BLAS, 72)  # no norm to write the extra rows
+    assert route(router, 72, dense(5120, 8192)) == Route(Kernel.BLAS, 72, cublaslt=True)
+
+
+def test_h100_file_routes_fp8_linears():
+    """FP8 weights: one row weight-only in the one-row kernel; with FP8 activations the Triton GEMM on few rows and
+    cuBLASLt's block-scaled GEMM from the file's 144 rows, padded to its row multiple, where the weight's layout
+    allows it (128x128 blocks, K/128 a multiple of 4, bf16); weight-only the Triton GEMM up to 256 rows."""
+    router = LinearRouter(packaged(H100), CUDA)
+    qkv = fp8(10240, 5120, dynamic=True)
+    assert route(router, 1, qkv) == Route(Kernel.ONE_ROW, 1)
+    assert route(router, 16, qkv) == Route(Kernel.FP8_ACT_TRITON, 16)
+    assert route(router, 72, qkv) == Route(Kernel.FP8_ACT_TRITON, 72)
+    assert route(router, 144, qkv) == Route(Kernel.FP8_ACT_CUBLASLT, 144)
+    assert route(router, 150, qkv) == Route(Kernel.FP8_ACT_CUBLASLT, 160)
+    assert route(router, 1152, qkv) == Route(Kernel.FP8_ACT_CUBLASLT, 1152)
+    assert route(router, 1152, qkv, dtype=torch.float16) == Route(Kernel.FP8_ACT_TRITON, 1152)
+    assert route(router, 1152, fp8(10240, 4224, dynamic=True)) == Route(Kernel.FP8_ACT_TRITON, 1152)  # K/128 = 33
+    assert route(router, 1152, fp8(10240, 5120, True, (64, 128))) == Route(Kernel.FP8_ACT_TRITON, 1152)
+    weight_only = fp8(10240, 5120, dynamic=False)
+    assert route(router, 256, weight_only) == Route(Kernel.FP8_TRITON, 256)
+    assert route(router, 257, weight_only) == Route(Kernel.FP8_DEQUANTIZED, 257)
+    assert route(router, 1, fp8(10240, 5120, False, (4, 128))) == Route(Kernel.FP8_TRITON, 1)  # tiles > block
+
+
+def test_cpu_runs_fp8_on_the_reference_and_routes_are_cached():
+    router = LinearRouter(DEFAULTS, torch.device("cpu"))
+    assert route(router, 3, fp8(256, 512, dynamic=True)) == Route(Kernel.FP8_ACT_REFERENCE, 3)
+    assert route(router, 3, fp8(256, 512, dynamic=False)) == Route(Kernel.FP8_DEQUANTIZED, 3)
+    linear = dense(256, 512)
+    assert route(router, 40, linear) is route(router, 40, linear)
+
+
+def test_another_gpu_or_version_falls_back_to_the_defaults_with_one_log_line(caplog):
+    files = packaged_tunings()
+    assert select_tuning(H100, (9, 0), MEASURED_WITH, files).source.endswith(
+        "nvidia-h100-80gb-hbm3-torch-2.11.0+cu130.json"
+    )
+    assert select_tuning(H100, (9, 0), Versions("2.11.0+cu130", "13.0", "13.1.0"), files).device_name == H100
+    with caplog.at_level(logging.WARNING, logger="hsmc.ops.kernel_tuning"):
+        for _ in range(3):
+            assert select_tuning("NVIDIA H100 PCIe", (9, 0), MEASURED_WITH, files) is DEFAULTS
+            assert select_tuning(H100, (9, 0), Versions("2.12.0+cu130", "13.0", None), files) is DEFAULTS
+            assert select_tuning(H100, (9, 0), Versions("2.11.0+cu130", "13.0", "13.1.0"), [
+                KernelTuning(H100, (9, 0), Versions("2.11.0+cu130", "13.0", "13.0.2"), "", source="x.json")
+            ]) is DEFAULTS  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert "NVIDIA H100 PCIe" in lines[0] and "no tuning file for this GPU" in lines[0]
+    assert "torch 2.12.0+cu130" in lines[1] and "nvidia-h100-80gb-hbm3-torch-2.11.0+cu130.json" in lines[1]
+    assert "x.json measured other versions" in lines[2]
+    assert all("heuristic defaults" in line and "hsmc tune-kernels" in line for line in lines)
+
+
+def test_packaged_files_parse_match_the_schema_and_round_trip(tmp_path):
+    files = [f for f in (resources.files("hsmc.ops") / "tuning").iterdir() if f.name.endswith(".json")]
+    assert len(files) == len(packaged_tunings()) == 2
+    for file in files:
+        raw = json.loads(file.read_text())
+        assert set(raw) == SCHEMA_KEYS, file.name
+        tuning = KernelTuning.from_json(raw, file.name)
+        assert tuning.device_name in (H100, "NVIDIA H200") and tuning.capability == (9, 0)
+        assert tuning.versions == MEASURED_WITH and tuning.fp8_block_scaled == BlockScaledRows(144, 16)
+        assert {tile for *_, tile in tuning.few_row_plans} == {16, 32} and tuning.cublaslt_gemms
+        again = KernelTuning.from_json(json.loads(format_tuning(tuning, {})), file.name)
+        assert again == tuning
+    broken = json.loads(files[0].read_text())
+    del broken["padded_rows"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match="broken.json.*padded_rows"):
+        read_tuning(tmp_path / "broken.json")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")
+def test_tune_kernels_without_cuda_fails_with_one_line(capsys):
+    assert main(["tune-kernels", "--out", "unused.json"]) == 2
+    err = capsys.readouterr().err
+    assert err == "hsmc: error: hsmc tune-kernels measures kernels on a CUDA GPU and none is visible\n"
+
+
+CPU_ROUTES = [
+    (False, Route(Kernel.ONE_ROW, 1)),
+    (False, Route(Kernel.FEW_ROWS, 3, few_row_plan=FewRowPlan(32, 128))),
+    (False, Route(Kernel.BLAS, 3)),
+    (False, Route(Kernel.BLAS, 8)),  # padded (norm-fed only)
+    (True, Route(Kernel.ONE_ROW, 1)),
+    (True, Route(Kernel.FP8_TRITON, 3)),
+    (True, Route(Kernel.FP8_DEQUANTIZED, 3)),
+    (True, Route(Kernel.FP8_ACT_REFERENCE, 3)),
+]
+
+
+@pytest.mark.parametrize("step", ["linear", "norm", "silu"])
+@pytest.mark.parametrize("fp8_weight, route", CPU_ROUTES, ids=[f"{r.kernel.value}-{r.run_rows}" for _, r in CPU_ROUTES])
+def test_routes_that_run_on_the_cpu_give_the_reference_result(fp8_weight, route, step):
+    """Each route the CPU can run through the three Linear steps, against the reference backend on the same module.
+    The FP8-activation GEMMs are checked on the GPU (tests/gpu): cuBLASLt's is CUDA-only, and Triton's interpreter
+    rounds some values to e4m3 one binade low (test_fp8 checks the Triton GEMM on exactly quantized operands)."""
+    from hsmc.models.decoder import RMSNorm
+    from hsmc.ops.backend import TorchBackend
+    from hsmc.ops.fp8_linear import quantize_fp8
+    from hsmc.ops.triton_backend import run_route
+
+    if step != "norm" and route.run_rows > 3:
+        pytest.skip("only a norm-fed GEMM runs at more rows than its input")
+    torch.manual_seed(route.run_rows)
+    rows, n, k = (1 if route.kernel is Kernel.ONE_ROW else 3), 256, 256
+    linear = nn.Linear(k, n, bias=False).requires_grad_(False)
+    if fp8_weight:
+        module = Fp8Linear(k, n, False, (128, 128))
+        module.weight.data, module.weight_scale_inv.data = quantize_fp8(linear.weight, (128, 128))
+        module.dynamic_activations = route.kernel is Kernel.FP8_ACT_REFERENCE
+        linear = module
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = torch.rand(k) + 0.5
+    x = torch.randn(rows, 1, 2 * k if step == "silu" else k)
+    residual = torch.randn(rows, 1, n)
+    reference = TorchBackend()
+    with torch.no_grad():
+        if step == "linear":
+            got, want = run_route(route, x, linear, residual=residual.clone()), reference.linear(x, linear, residual)
+        elif step == "norm":
+            got, want = (
+                run_route(route, x, linear, norm=(norm.weight, norm.eps)),
+                reference.norm_linear(x, norm, linear),
+            )
+        else:
+            got = run_route(route, x, linear, silu_mul=True, residual=residual.clone())
+            want = reference.silu_linear(x, linear, residual)
+    assert got.shape == want.shape == (rows, 1, n)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
