@@ -28,18 +28,20 @@ import torch.nn.functional as F
 from gpu_common import LINEAR_STEPS, Report, graph_ms, layer_linears, run_parts
 
 from hsmc.ops import fused
-from hsmc.ops.fp8_linear import QWEN_BLOCK, dequantize_fp8, fp8_linear
+from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, dequantize_fp8
+from hsmc.ops.triton_backend import TritonBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def fp8_step(x, w, s, step: dict, norm, residual, dynamic: bool) -> torch.Tensor:
-    """One FP8 Linear step over rows > 1 as the Triton backend runs it: norm / SiLU kernel, then the FP8 GEMM."""
+    """One FP8 Linear step over rows > 1 as the Triton backend runs it: norm / SiLU kernel, then the routed GEMM."""
     if step.get("norm"):
         x = fused.rms_norm(x, norm, 1e-6)
     elif step.get("silu"):
         x = fused.silu_mul(x)
-    return fp8_linear(x, w, s, None, QWEN_BLOCK, residual if step.get("residual") else None, dynamic)
+    linear = Fp8Linear.of(w, s, QWEN_BLOCK, dynamic_activations=dynamic)
+    return TritonBackend().linear(x, linear, residual if step.get("residual") else None)
 
 
 def linears(report: Report) -> None:

@@ -108,18 +108,22 @@ def time_few_rows(report: Report, shape: str) -> None:
 
 
 def time_8b_step_routes(report: Report) -> None:
-    """The whole 8B step with the backend's route to the few-row kernels, and with it patched off (cuBLAS)."""
-    import hsmc.ops.triton_backend as triton_backend
+    """The whole 8B step with the router's routes (the few-row kernels up to 16 rows), and with every few-row route
+    replaced by cuBLAS at the same rows."""
+    from hsmc.ops.linear_router import Kernel, Route, router_for
 
-    route = triton_backend._few_rows  # the backend's choice of the few-row kernels, patched off for cuBLAS
+    router = router_for(torch.device("cuda"))
+    dense = router._dense
 
     def use(variant: str) -> None:
-        triton_backend._few_rows = route if variant == "few" else (lambda x, linear: False)
+        router._routes.clear()
+        router._dense = dense if variant == "few" else (lambda rows, n, k, norm_fed: Route(Kernel.BLAS, rows))
 
     try:
-        steps = time_8b_steps((1, 2, 4, 8, 16), ("cublas", "few"), use, rounds=1)
+        steps = time_8b_steps((2, 4, 8, 16), ("cublas", "few"), use, rounds=1)
     finally:
-        triton_backend._few_rows = route
+        router._dense = dense
+        router._routes.clear()
     for m, t in steps.items():
         report.say(f"  8B step M={m} (graph, 260 keys): weight read {t['weight_read_ms']:.3f} ms; cublas "
                    f"{t['cublas']:.3f} ms, few {t['few']:.3f} ms ({t['weight_read_ms'] / t['few']:.0%} of roofline); "

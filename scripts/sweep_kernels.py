@@ -3,38 +3,30 @@ as the entries of the per-GPU plan tables in hsmc/ops (and every timing written 
 
 one-row         tile settings of the one-row (decode) Linears, qwen3-8b bf16 and qwen3-32b / qwen3-8b FP8, all layers
                 of a kind chained with PDL (`decode_linear.plan_decode_linear`).
-few-row         the measured few-row plans (`few_row_linear.MEASURED_PLANS`): the qwen3-8b Linears and LM head at 8
-                and 32 rows, the median of 3 interleaved rounds; then the Linears chained and the whole 8B step at
-                2..32 rows, the default route against the measured plans.
 fp8-gemm        launch settings of the weight-only FP8 GEMM around the planner's at 16 rows (`fp8_gemm.plan_fp8_gemm`).
 w8a8            tile settings of the FP8-activation GEMM at verify sizes, 32B Linears, both operand orders
                 (`fp8_gemm.plan_w8a8`).
 attention       decode (1 query token per row) and verify (9) attention: the planner's plan against every split x
                 key block x warps setting (`paged_attention.plan_attention`).
 decode-forward  the whole qwen3-8b one-row forward with the attention plan forced to each setting, 260 and 2000 keys.
-cublaslt        cuBLAS vs cuBLASLt and taller (padded) products for the 8B / 32B matrices at the rows the stacks run
-                (`gemm_routes.CUBLASLT_GEMMS`, `PADDED_ROWS`).
 
-    python scripts/sweep_kernels.py --parts few-row[,...] [--out DIR]
+    python scripts/sweep_kernels.py --parts one-row[,...] [--out DIR]
+
+The routes of the Linears (few-row plans, cuBLAS or cuBLASLt, padded rows, the block-scaled FP8 rows) are measured by
+`hsmc tune-kernels`, which writes them as this GPU's tuning file (hsmc/ops/tuning/).
 """
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import torch
-import torch.nn.functional as F
 import triton
 from gpu_common import (
     LINEAR_STEPS,
     AttentionCase,
     Report,
-    few_row_chain,
     graph_ms,
-    layer_dims,
     layer_linears,
     run_parts,
-    time_8b_steps,
     weight_read_bytes,
 )
 
@@ -96,108 +88,6 @@ FEW_ROW_CANDIDATES = [
     (64, 128, 1, 2, 5), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (64, 128, 1, 4, 8), (32, 128, 1, 4, 6),
     (64, 128, 3, 4, 4), (32, 256, 2, 2, 4), (32, 512, 1, 2, 3), (128, 64, 1, 4, 4), (64, 64, 1, 4, 8),
     (64, 256, 1, 4, 3), (16, 256, 1, 1, 4)]  # fmt: skip
-
-
-def sweep_few_row_kinds(report: Report, layers: list[dict], m: int, rounds: int) -> dict:
-    """Per Linear kind (and the 8B's LM head, four times), all layers' instances chained (PDL) at m rows, over the
-    few-row kernel's settings, the planner's and cuBLAS's (after the norm / SiLU kernel), each the median of `rounds`
-    interleaved rounds; returns per kind (best plan, its ms, cuBLAS's ms)."""
-    from hsmc.ops.few_row_linear import FewRowPlan, few_row_linear, plan_few_row_linear
-
-    steps = dict(LINEAR_STEPS, lm_head={"norm": True})
-    weights = {kind: [layer[kind][0] for layer in layers] for kind in LINEAR_STEPS}
-    cfg = hf_config("qwen3-8b")
-    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    weights["lm_head"] = [lm_head / 64] * 4
-    norm = layers[0]["norm1"]
-    won = {}
-    for kind, step in steps.items():
-        n, k = weights[kind][0].shape
-        x = torch.randn(m, 2 * k if step.get("silu") else k, device="cuda", dtype=torch.bfloat16)
-        res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        floor = report.read_ms(sum(w.numel() * 2 for w in weights[kind]))
-
-        def cublas(kind=kind, step=step, x=x, res=res):
-            for w in weights[kind]:
-                if step.get("norm"):
-                    F.linear(fused.rms_norm(x, norm, 1e-6), w)
-                else:
-                    torch.addmm(res, fused.silu_mul(x) if step.get("silu") else x, w.t())
-
-        planned = plan_few_row_linear(n, k, m, torch.device("cuda"))
-        candidates = [planned] + [FewRowPlan(*s) for s in FEW_ROW_CANDIDATES]
-        timings: dict = {"cublas": [graph_ms(cublas)]}
-        for _ in range(rounds):  # interleaved, so a clock or thermal drift hits every setting alike
-            for plan in candidates:
-                if timings.get(plan, [0.0])[-1] is None:
-                    continue
-
-                def chain(plan=plan, kind=kind, step=step, x=x, res=res):
-                    fuse = {"norm": (norm, 1e-6) if step.get("norm") else None, "silu_mul": bool(step.get("silu")),
-                            "residual": res if step.get("residual") else None}  # fmt: skip
-                    for w in weights[kind]:
-                        few_row_linear(x, w, plan=plan, **fuse)
-
-                try:  # a setting that does not compile (shared memory, layouts) is a sweep result, not a failure
-                    timings.setdefault(plan, []).append(graph_ms(chain))
-                except Exception as e:
-                    timings[plan] = [None]
-                    report.say(f"  {kind} {plan}: {type(e).__name__}: {str(e)[:200]}")
-        medians = {plan: sorted(v)[len(v) // 2] for plan, v in timings.items() if v[-1] is not None}
-        cublas_ms = medians.pop("cublas")
-        best = min(medians, key=medians.get)
-        label = lambda p: "/".join(str(v) for v in astuple(p))  # noqa: E731
-        report.say(f"  M={m} {kind} [{n}x{k}] x{len(weights[kind])}: weight read {floor:.3f} ms; cublas "
-                   f"{cublas_ms:.3f} ms; planned {label(planned)} {medians.get(planned, float('nan')):.3f} ms; best "
-                   f"{label(best)} {medians[best]:.3f} ms ({floor / medians[best]:.0%} of the weight read); "
-                   + " ".join(f"{label(p)}:{ms:.3f}" for p, ms in medians.items()),
-                   rows=m, kind=kind, weight_read_ms=floor, cublas_ms=cublas_ms,
-                   timings=[(label(p), ms) for p, ms in medians.items()])  # fmt: skip
-        won[kind] = (best, medians[best], cublas_ms)
-    return won
-
-
-def few_row(report: Report) -> None:
-    """The 16-row tile's plans from the sweep at 8 rows; the 32-row tile's at 32 rows, kept where they beat cuBLAS."""
-    from hsmc.ops import few_row_linear as frl
-
-    name = frl.gpu_name(torch.device("cuda"))
-    report.say(f"== few-row plans for {name!r} ==")
-    kept = frl.MEASURED_PLANS.pop(name, None)
-    try:
-        layers = layer_linears("qwen3-8b", False)
-        shapes = dict(layer_dims("qwen3-8b"), lm_head=(hf_config("qwen3-8b").vocab_size, 4096))
-        table, won = {}, {}
-        for tile, m in ((16, 8), (32, 32)):
-            swept = sweep_few_row_kinds(report, layers, m, rounds=3)
-            won[tile] = {kind: plan for kind, (plan, ms, cublas) in swept.items() if tile == 16 or ms < cublas}
-            table |= {(*shapes[kind], tile): plan for kind, plan in won[tile].items()}
-        report.say(f"  measured plans for {name!r} (`few_row_linear.MEASURED_PLANS`):",
-                   table=[[*key, *astuple(plan)] for key, plan in table.items()])  # fmt: skip
-        for (n, k, tile), plan in table.items():
-            report.say(f"        ({n}, {k}, {tile}): FewRowPlan{astuple(plan)},")
-        for m in (2, 8, 16, 24, 32):
-            x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-            plans = won[frl.row_tile(m)]
-            paths = {"default": lambda: few_row_chain(layers, x, "few" if m <= 16 else "cublas"),
-                     "measured": lambda: few_row_chain(layers, x, "few", plans)}  # fmt: skip
-            t = {path: sorted(graph_ms(run) for _ in range(5))[2] for path, run in paths.items()}
-            report.say(f"  8B Linears chained M={m}: default {t['default']:.3f} ms, measured {t['measured']:.3f} ms "
-                       f"({t['measured'] / t['default']:.3f}x)", chain_rows=m, **t)  # fmt: skip
-        layers.clear()  # free the chains before the whole model
-        torch.cuda.empty_cache()
-
-        def use(variant: str) -> None:
-            frl.MEASURED_PLANS[name] = table if variant == "measured" else {}
-
-        for m, t in time_8b_steps((2, 8, 16, 24, 32), ("default", "measured"), use, rounds=3).items():
-            report.say(f"  8B step M={m} (graph, 260 keys): weight read {t['weight_read_ms']:.3f} ms; default "
-                       f"{t['default']:.3f} ms, measured {t['measured']:.3f} ms ({t['measured'] / t['default']:.3f}x)",
-                       step_rows=m, **t)  # fmt: skip
-    finally:
-        frl.MEASURED_PLANS.pop(name, None)
-        if kept is not None:
-            frl.MEASURED_PLANS[name] = kept
 
 
 def fp8_gemm(report: Report) -> None:
@@ -344,72 +234,7 @@ def decode_forward(report: Report) -> None:
         triton_backend.plan_attention = planner
 
 
-def cublaslt(report: Report) -> None:
-    """Each matrix at the rows its cuBLAS GEMMs take in the stacks (verifies of N x (K + 1) tokens, batched rejection
-    rounds and proposal steps), through cuBLAS and cuBLASLt, called as `_matmul` calls it (the residual accumulated in
-    place for `o` and `down`), four copies chained in a graph, the median of 3 interleaved rounds; printed where
-    cuBLASLt was >= 2 % faster. The 32B's matrices after an RMSNorm (qkv, gate_up, LM head) also run at 8..32 more
-    rows (the norm would write the taller input for free), printed where the fastest beat the rows' own route by
-    >= 2 %."""
-    from hsmc.ops.few_row_linear import gpu_name
-
-    report.say("== cuBLAS vs cuBLASLt vs taller products, Qwen3-8B / 32B matrices ==")
-    faster, padded, worst = [], [], 0.0
-    sizes = {"qwen3-32b": (72, 102, 144, 288, 408, 576, 1152), "qwen3-8b": (48, 64, 72, 120, 128, 144)}
-
-    def us(fn, lib: str) -> float:
-        torch.backends.cuda.preferred_blas_library(lib)
-        return graph_ms(fn) / 4 * 1e3
-
-    for shape, row_counts in sizes.items():
-        dims = layer_dims(shape) | {"lm_head": (hf_config(shape).vocab_size, layer_dims(shape)["o"][0])}
-        for name, (n, k) in dims.items():
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-            for m in row_counts:
-                taller = [m + 8 * j for j in range(1, 5)] if shape == "qwen3-32b" and name not in ("o", "down") else []
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # the taller inputs start with its rows
-                xs = {r: torch.cat([x, torch.randn(r - m, k, device="cuda", dtype=x.dtype)]) for r in taller}
-                res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-                fn = (lambda: [res.addmm_(x, w.t()) for w in ws]) if name in ("o", "down") else (
-                    lambda: [F.linear(x, w) for w in ws])  # fmt: skip
-                products = []
-                for lib in ("cublas", "cublaslt"):
-                    torch.backends.cuda.preferred_blas_library(lib)
-                    products.append(F.linear(x, ws[0]).float())
-                torch.backends.cuda.preferred_blas_library("cublas")
-                products += [F.linear(xs[r], ws[0])[:m].float() for r in taller]
-                worst = max([worst] + [((p - products[0]).norm() / products[0].norm()).item() for p in products[1:]])
-                cells: dict = {}
-                for _ in range(3):
-                    for lib in ("cublas", "cublaslt"):
-                        cells.setdefault(lib, []).append(us(fn, lib))
-                    for r in taller:
-                        cells.setdefault(r, []).append(us(lambda r=r: [F.linear(xs[r], w) for w in ws], "cublas"))
-                torch.backends.cuda.preferred_blas_library("cublas")
-                med = {key: sorted(v)[1] for key, v in cells.items()}
-                read_us = report.read_ms(n * k * 2) * 1e3
-                tall = "; cublas at " + " ".join(f"{r}: {med[r]:.1f}" for r in taller) if taller else ""
-                report.say(f"  {shape} {name} [{n}x{k}] M={m}: cublas {med['cublas']:.1f} us, cublaslt "
-                           f"{med['cublaslt']:.1f} us ({med['cublaslt'] / med['cublas']:.3f}x; weight read "
-                           f"{read_us:.1f} us){tall}", shape=shape, linear=name, rows=m, read_us=read_us,
-                           timings_us={str(key): v for key, v in med.items()})  # fmt: skip
-                lt = med["cublaslt"] <= 0.98 * med["cublas"]
-                if lt:
-                    faster.append(f"({n}, {k}, {m}),  # {shape} {name}: {med['cublaslt'] / med['cublas']:.3f}x")
-                own = med["cublaslt" if lt else "cublas"]
-                best = min(taller, key=med.get, default=None)
-                if best is not None and med[best] <= 0.98 * own:
-                    padded.append(f"({n}, {k}, {m}): {best},  # {shape} {name}: {med[best] / own:.3f}x")
-    report.say(f"  cuBLAS vs cuBLASLt vs taller products: largest relative difference {worst:.2e}", worst=worst)
-    device = gpu_name(torch.device("cuda"))
-    for label, lines in ((f"CUBLASLT_GEMMS, cuBLASLt >= 2 % faster on {device!r}", faster),
-                         (f"PADDED_ROWS, more rows >= 2 % faster on {device!r}", padded)):  # fmt: skip
-        report.say(f"  {label}:", table=label, entries=lines)
-        for line in lines:
-            report.say(f"        {line}")
-
-
 if __name__ == "__main__":
-    parts = {"one-row": one_row, "few-row": few_row, "fp8-gemm": fp8_gemm, "w8a8": w8a8, "attention": attention,
-             "decode-forward": decode_forward, "cublaslt": cublaslt}  # fmt: skip
+    parts = {"one-row": one_row, "fp8-gemm": fp8_gemm, "w8a8": w8a8, "attention": attention,
+             "decode-forward": decode_forward}  # fmt: skip
     run_parts(__doc__.split("\n\n")[0], parts, "sweep_kernels")

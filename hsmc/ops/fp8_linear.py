@@ -123,6 +123,17 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype), requires_grad=False) if bias else None
         self.dynamic_activations = False  # the engine's `fp8_activations`: set when a stack is built
 
+    @classmethod
+    def of(
+        cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dynamic_activations: bool = False
+    ) -> Fp8Linear:
+        """The Linear of an already quantized weight [N, K] and its block scales (no bias)."""
+        linear = cls(weight.shape[1], weight.shape[0], False, block)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        linear.dynamic_activations = dynamic_activations
+        return linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ dequant(weight)^T [+ bias]; with `dynamic_activations`, x quantized first when it has two or more
         rows (one row, batch-1 decode, stays weight-only: it is bound by the weight read)."""

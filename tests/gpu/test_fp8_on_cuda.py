@@ -13,7 +13,8 @@ import torch
 from test_eagle_checkpoint import published_layout
 from test_fp8 import reference_groups
 
-from hsmc.ops.fp8_linear import QWEN_BLOCK, dequantize_fp8, fp8_linear, quantize_activations, quantize_fp8
+from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, dequantize_fp8, quantize_activations, quantize_fp8
+from hsmc.ops.triton_backend import TritonBackend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -59,7 +60,7 @@ def test_weight_only_fp8_gemm_equals_the_dequantized_product(linear_32b, rows):
     w, s, dense = linear_32b
     x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
     residual = torch.randn(rows, w.shape[0], device="cuda", dtype=torch.bfloat16)
-    got = fp8_linear(x, w, s, None, QWEN_BLOCK, residual)
+    got = TritonBackend().linear(x, Fp8Linear.of(w, s, QWEN_BLOCK), residual.clone())
     assert relative_error(got, x.float() @ dense.T + residual.float()) < ROUNDING
 
 
@@ -70,7 +71,7 @@ def test_fp8_activation_gemm_equals_the_product_of_quantized_operands(linear_32b
     (N = 8, K = 8)."""
     w, s, dense = linear_32b
     x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
-    got = fp8_linear(x, w, s, None, QWEN_BLOCK, None, dynamic_activations=True)
+    got = TritonBackend().linear(x, Fp8Linear.of(w, s, QWEN_BLOCK, dynamic_activations=True))
     want = quantize_activations(x.float(), 128) @ dense.T
     assert relative_error(got, want) < ROUNDING
     assert relative_error(got, x.float() @ dense.T) > ROUNDING  # quantized (measured 1.2e-2..2.6e-2 off the bf16 input)
