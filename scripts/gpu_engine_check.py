@@ -26,7 +26,7 @@ smcbench `hsmc bench --config` of configs/bench/{smc,hierarchical,selfdraft}_8b_
          requests (random bf16 weights, 64-token prompts, 64 new tokens): tok/s per request and in all,
          cycle vs weight-read bound, per-level times, cost model (also at accepted length 3.5). The target is
          the 32B shape where the GPU holds it (≥ 120 GB: H200), else the 14B shape (H100), as printed.
-rounds   rejection rounds captured as CUDA graphs (`RoundGraphs`): configs/bench/eagle3_8b.yaml at 1/4/16
+rounds   rejection rounds captured as CUDA graphs (`Graphs`): configs/bench/eagle3_8b.yaml at 1/4/16
          requests (64-token prompts, 128 new tokens), graphed vs eager rounds in the same run; then tiny
          [model|eagle3, rejection(, rejection)(, smc)] stacks on CUDA (SMC cycles eager, as with stop strings)
          after a warm-up: replayed rounds, synchronizing calls, T = 1e-4 tokens CUDA == CPU, T = 1 graphed ==
@@ -504,7 +504,7 @@ def check_smc_bench() -> None:
 
 
 def graphed_rejection(decoder: HierarchicalDecoder):
-    """The stack's rejection level whose rounds are captured (`RoundGraphs`)."""
+    """The stack's rejection level whose rounds are captured (`Graphs`)."""
     return next(lv for lv in decoder.stack.levels if getattr(lv, "rounds", None) is not None)
 
 
@@ -619,7 +619,7 @@ def check_cycles() -> None:
             rows_max, width = max(batches) * smc.params.particles, smc.params.block_size + 1
             vocab = smc.state.runner.module.config.vocab_size
             estimate = LOGIT_COPIES * rows_max * width * vocab * 4
-            used = pool_bytes(smc.cycle_graphs.memory.pool)
+            used = pool_bytes(smc.cycle_graphs.scope.pool)  # the stack's one pool: forwards', rounds', cycles'
             graphs, smc.cycle_graphs = smc.cycle_graphs, None  # the eager cycles' peak, for the same requests
             ids = [[7] * 64 for _ in range(max(batches))]
             torch.cuda.synchronize()
@@ -799,12 +799,13 @@ def check_capture_time() -> None:
     torch.cuda.synchronize()
     began = time.perf_counter()
     with torch.inference_mode():
-        runner.graphs.capture(1, True, {})
+        row = torch.zeros(1, dtype=torch.int64, device="cuda")  # a decode step's first use captures every bucket
+        runner.forward(runner.new_tokens(row, row[:, None], row + 1, 1), True)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     n = len(runner.graphs.captured)
     say(f"capture of the 8B decode graphs ({n} buckets: rows {runner.graphs.row_buckets} x context "
-        f"{runner.graphs.context_buckets}), kernels compiled: {seconds:.1f} s")  # fmt: skip
+        f"{runner.scope.context_buckets}), kernels compiled: {seconds:.1f} s")  # fmt: skip
     results["capture_seconds"] = seconds
 
 
@@ -1826,8 +1827,6 @@ def forwards_8b(row_counts: tuple[int, ...], variants: tuple[str, ...], use, rou
     """ms of one whole Qwen3-8B step (random bf16, graph replay, 260 keys per row) per row count and variant;
     `use(variant)` sets the route before the graphs are captured again; variants interleaved over `rounds`,
     the median kept."""
-    from hsmc.engine.cuda_graphs import CUDAGraphs
-
     cfg = DecoderConfig.from_hf(hf_config("qwen3-8b"))
     context, width = 260, 300
     tables = BlockTables(SlotAllocator(max(row_counts) * width, "cuda"), max(row_counts), width)
@@ -1846,7 +1845,7 @@ def forwards_8b(row_counts: tuple[int, ...], variants: tuple[str, ...], use, rou
         for _ in range(rounds):
             for name in variants:
                 use(name)
-                runner.graphs = CUDAGraphs(runner)
+                runner.graphs.captured.clear()
                 tokens = torch.randint(0, 1000, (m, 1), device="cuda")
                 back = torch.full_like(rows, context)
                 with torch.inference_mode():
@@ -2092,7 +2091,6 @@ def check_decode_attention() -> None:
     """The whole Qwen3-8B one-row decode forward (graph replay, PDL chain) with the attention plan forced to
     each setting, at a short and a long context: where the planner's choice shows in the step time."""
     import hsmc.ops.triton_backend as triton_backend
-    from hsmc.engine.cuda_graphs import CUDAGraphs
     from hsmc.ops.paged_attention import AttentionPlan
 
     say("== decode attention plans inside the 8B one-row forward ==")
@@ -2109,7 +2107,7 @@ def check_decode_attention() -> None:
             for plan in [None] + [AttentionPlan(4, 16, s, b, w) for s in (1, 2, 4, 8, 16) for b in (32, 64, 128)
                                   for w in (2, 4)]:  # fmt: skip
                 triton_backend.plan_attention = planner if plan is None else (lambda *a, p=plan: p)
-                runner.graphs = CUDAGraphs(runner)
+                runner.graphs.captured.clear()
                 tokens = torch.randint(0, 1000, (1, 1), device="cuda")
                 with torch.inference_mode():
                     step = lambda: runner.forward(runner.new_tokens(rows, tokens, one, context + 1), True)  # noqa: E731
