@@ -114,8 +114,8 @@ def test_after_warmup_no_cycle_runs_without_a_graph_whatever_the_acceptance_law(
             d.stack.levels[1].fill.law = geometric_yield_law(mean, fill.gamma)
         plans.add(fill.planned)
         for n in (1, 2):
-            got = without_syncs(lambda: graphed.generate([[3, 4, 5], [6]][:n], params=params[:n]))
-            want = eager.generate([[3, 4, 5], [6]][:n], params=params[:n])
+            got = without_syncs(lambda: graphed.generate([[3, 4, 5], [6, 7, 8, 9]][:n], params=params[:n]))
+            want = eager.generate([[3, 4, 5], [6, 7, 8, 9]][:n], params=params[:n])
             assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert len(plans) >= 4 and top.cycle_graphs.missed == 0 and top.cycle_graphs.replays > 0
     graphed.driver.quiesce()
