@@ -223,6 +223,19 @@ def test_units_inside_a_unit_being_captured_run_as_plain_code(monkeypatch):
     assert captured == [outer, inner]
 
 
+def test_a_cycle_is_keyed_by_the_shape_of_every_input(monkeypatch):
+    """A cycle's inputs differ in length (rows, group slots, stop ids): as many rows in other groups are another
+    shape, with a graph of its own, and each replays what it computes."""
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    scope = GraphScope([64])
+    scope.capturing = "every"
+    unit = Graphs(lambda rows, slots: rows.sum() + 10 * slots.sum(), scope)
+    rows = torch.arange(4)
+    assert unit(rows, torch.tensor([1])) == 16 and unit(rows, torch.tensor([1, 2])) == 36
+    assert len(unit.captured) == 2 and unit.replays == 0
+    assert unit(rows, torch.tensor([2])) == 26 and unit(rows + 1, torch.tensor([0, 1])) == 20 and unit.replays == 2
+
+
 def test_a_forward_captures_every_rows_and_context_bucket_at_first_use_and_pads_its_rows(monkeypatch):
     """A forward unit (rows padded to a bucket, no host ints): its first run captures its width at every rows ×
     context bucket from padding alone; a replay copies the rows in, sets the padding rows to their pads and hands

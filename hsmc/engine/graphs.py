@@ -226,8 +226,12 @@ class Graphs:
     def _shape(
         self, inputs: tuple[torch.Tensor | None, ...], rows: int | None, options: dict[str, Any], host: tuple[int, ...]
     ) -> tuple:
-        """What a graph is only valid for: its inputs' shapes (rows padded to `rows`), the options, the host keys."""
-        shapes = tuple(None if x is None else ((rows, *x.shape[1:]), x.dtype) for x in inputs)
+        """What a graph is only valid for: its inputs' shapes (a forward's rows padded to `rows`), the options, the
+        host keys."""
+        padded = self.row_buckets is not None
+        shapes = tuple(
+            None if x is None else ((rows, *x.shape[1:]) if padded else tuple(x.shape), x.dtype) for x in inputs
+        )
         keys = tuple(v for f, v in zip(self.host, host) if f.role == "key")
         return shapes, tuple(sorted(options.items())), keys
 
