@@ -95,12 +95,16 @@ class HierarchicalDecoder:
     def warmup(self, progress: bool = True) -> None:
         """Capture the CUDA graphs of every batch the config can run before the first request, so that no request
         pays a capture (`engine.warmup`, and `hsmc serve`): for 1, 2, ... up to as many requests as the rows hold,
-        a batch of that many short synthetic requests decodes until each of its shapes is captured (a forward's
-        graphs cover every row and context bucket of its width at once; a rejection round's or SMC cycle's are
-        captured once a shape makes 8 of the last 16). Then capturing stops: a shape first seen later (a context
-        past the first bucket, another mix of sampling laws) runs eagerly. Prefills of a few sizes run once, so that
-        their kernels are compiled too. Nothing to do without CUDA graphs."""
-        if self._warm or not self.config.engine.resolved_cuda_graphs:
+        a batch of that many short synthetic requests decodes until each of its steady shapes is captured (a
+        forward's graphs cover every row and context bucket of its width at once; a rejection round's or SMC
+        cycle's are captured once a shape makes 8 of the last 16). Under a block fill a cycle's graph also depends on
+        the rounds R it plans from the acceptance law, which real traffic does not share with synthetic requests:
+        each batch size runs again once for every R a plan may take (`BlockFill.choices`), each shape captured at
+        its second run. Then capturing stops: a shape first seen later (a context past the first bucket, another
+        mix of sampling laws) runs eagerly. Prefills of a few sizes run once, so that their kernels are compiled
+        too. Nothing to do without graphed units."""
+        scope = self.stack.scope
+        if self._warm or not scope.units:
             return
         self._warm = True
         import torch
@@ -111,29 +115,32 @@ class HierarchicalDecoder:
         per_step = {"smc": top.block_size + 1, "rejection": top.num_draft_tokens + 1}.get(top.kind, 1)
         vocab = self.vocab_size
         most = stack.max_rows // stack.rows_per_prompt
-        batches = [(n, 16, WARMUP_STEPS * per_step) for n in range(1, most + 1)]
+        batches: list[tuple[int, int, int, int | None]] = [
+            (n, 16, WARMUP_STEPS * per_step, None) for n in range(1, most + 1)
+        ]
+        fill = stack.top.proposal.fill if stack.is_smc else None
+        if fill is not None:  # two blocks at each R: a second cycle of its shape
+            batches += [(n, 16, 2 * per_step + 1, r) for n in range(1, most + 1) for r in fill.choices(top.block_size)]
         # prefills of other sizes compile their kernels with one token each: Triton specializes on the shapes, and
         # the attention plans (splits by occupancy) change where the row count crosses a power of two
         counts = sorted({1, most, *(2**k + 1 for k in range(most.bit_length()) if 2**k + 1 <= most)})
-        batches += [(n, length, 1) for length in WARMUP_PROMPTS for n in counts]
-        fits = [(n, length, tokens) for n, length, tokens in batches if length + tokens < stack.capacity // n]
-        for n, length, tokens in tqdm(fits, desc="warmup: CUDA graphs", unit="batch", file=sys.stderr,
-                                      disable=not progress):  # fmt: skip
+        batches += [(n, length, 1, None) for length in WARMUP_PROMPTS for n in counts]
+        fits = [batch for batch in batches if batch[1] + batch[2] < stack.capacity // batch[0]]
+        for n, length, tokens, rounds in tqdm(fits, desc="warmup: CUDA graphs", unit="batch", file=sys.stderr,
+                                              disable=not progress):  # fmt: skip
+            if fill is not None:
+                fill.forced = rounds
+            scope.capturing = "recurring" if rounds is None else "every"
             prompts = [[(7919 * (n + i) + 13 * j) % vocab for j in range(length)] for i in range(n)]
             self.generate(prompts, params=SamplingParams(max_tokens=tokens, ignore_eos=True), seed=n)
             torch.cuda.empty_cache()  # what a batch's eager runs cached goes back before the next captures
-        for graphs in self._graphs():
-            graphs.frozen = True
+        scope.capturing = "none"
+        if fill is not None:
+            fill.forced = None
         for level in stack.levels:
             level.reset_stats()
         gc.collect()
         gc.freeze()  # what exists now (models, graphs) stays out of later collections: no long pause mid-request
-
-    def _graphs(self) -> list[Any]:
-        """Every graph set of the stack: each runner's forward graphs, the rounds' and the cycles' graphs."""
-        found = [runner.graphs for runner in self.stack.runners]
-        found += [getattr(level, name, None) for level in self.stack.levels for name in ("rounds", "cycle_graphs")]
-        return [g for g in found if g is not None]
 
     def close(self, timeout: float = 0.0) -> None:
         """Stop the request loop: running requests get `timeout` seconds to finish, then are cancelled."""

@@ -1,13 +1,14 @@
-"""What a captured rejection round or SMC cycle (`hsmc.engine.round_graphs.RoundGraphs`) relies on, checked on
-the CPU.
+"""What a graphed unit (`hsmc.engine.graphs.Graphs`: a forward, a rejection round, an SMC cycle) relies on, checked
+on the CPU.
 
-A CUDA graph replays a round's kernels but not its Python: the host ints the round's code changes must be
-declared by the levels (`graph_parts`) so a replay can advance them, and a round of one shape must move them
-by the same amount every time. Both are checked here on every round of real runs, over the stacks whose top
-rejection level gets graphed rounds on CUDA, and on every SMC cycle of the SMC stacks. When a shape is
-captured, and that rounds inside a graphed round run eagerly, is checked with the capture stubbed.
-(Capture and replay need a GPU: tests/gpu/test_stacks_on_cuda.py and test_smc_stacks_on_cuda.py compare them with
-the CPU and with eager rounds and cycles.)
+A CUDA graph replays a unit's kernels but not its Python: the host ints a round's code changes must be declared by
+the levels (`graph_parts`) so a replay can advance them, and a round of one shape must move them by the same
+amount every time. Both are checked here on every round of real runs, over the stacks whose top rejection level
+gets graphed rounds on CUDA, and on every SMC cycle of the SMC stacks. When a shape is captured, that units
+inside a unit being captured run as plain code, how a forward's rows are padded to buckets, and that a warmup
+captures every cycle shape real traffic meets are checked with the capture emulated: an emulated graph replays by
+running the unit eagerly, inside a capture scope as a real replay's kernels would. (Real capture and replay:
+`tests/gpu/`.)
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 from test_host_reads import PROMPTS, models, smc_models, stack_levels  # noqa: F401  (module fixtures)
 
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
+from hsmc.engine.graphs import Graphs, GraphScope, HostField, _Captured
 from hsmc.engine.timer import ForwardTimer
+from hsmc.levels.block_fill import geometric_yield_law
 from hsmc.levels.rejection import RejectionLevel
 
 STACKS = {
@@ -74,11 +76,11 @@ def _watch(owner, method: str, fields: list[HostField], key_of) -> dict[str, int
     return seen
 
 
-def _decoder(name: str, tiny: dict) -> HierarchicalDecoder:
+def _decoder(name: str, tiny: dict, **engine) -> HierarchicalDecoder:
     levels = stack_levels(STACKS[name], tiny, gamma=3)
     if levels[-1]["kind"] == "smc":
         levels[-1].update(particles=4, block_size=5)
-    return HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 8192}})
+    return HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 8192, **engine}})
 
 
 def _decode(decoder: HierarchicalDecoder) -> None:
@@ -121,10 +123,11 @@ class _Counter:
 
 
 def test_a_shape_is_captured_once_it_makes_half_of_the_last_rounds_and_deltas_must_agree(monkeypatch):
-    """The capture decision, without a GPU (`_capture` recorded instead of run): shapes of a few rounds each (rows
-    finishing one by one) stay eager; a shape in every other round (a block fill's pattern) is captured at its 8th
-    round among the last 16, with the context bucket covering the lengths after the round; a round whose host
-    ints move differently from earlier rounds of its shape is an error naming both moves."""
+    """The capture decision (`_capture` recorded instead of run): shapes of a few rounds each (rows finishing one by
+    one) stay eager; a shape in every other round (a block fill's pattern) is captured at its 8th round among the
+    last 16, with the context bucket covering the lengths after the round; a round whose host ints move differently
+    from earlier rounds of its shape is an error naming both moves; with capturing off (after a warmup) a shape
+    seen often enough still runs eagerly, counted as missed."""
     state = _Counter()
     grow = {"by": 3}
 
@@ -132,13 +135,13 @@ def test_a_shape_is_captured_once_it_makes_half_of_the_last_rounds_and_deltas_mu
         state.length += grow["by"]
         return rows + 1
 
-    parts = GraphParts(host=[HostField(state, "length", "length"), HostField(state, "pending")])
-    graphs = RoundGraphs(round_fn, parts, context_buckets=[16, 64, 256])
+    scope = GraphScope([16, 64, 256])
+    graphs = Graphs(round_fn, scope, [HostField(state, "length", "length"), HostField(state, "pending")])
     captures = []
 
-    def fake_capture(key, inputs, before, after, context):
-        captures.append((len(inputs[0]), before, after, context))
-        return round_fn(*inputs)
+    def fake_capture(key, static, before, after, context, options):
+        captures.append((len(static[0]), before, after, context))
+        return round_fn(*static)
 
     monkeypatch.setattr(graphs, "_capture", fake_capture)
     rows = {n: torch.zeros(n, dtype=torch.int64) for n in range(1, 17)}
@@ -159,40 +162,154 @@ def test_a_shape_is_captured_once_it_makes_half_of_the_last_rounds_and_deltas_mu
     with pytest.raises(RuntimeError, match=r"\(5, 0\) and \(3, 0\)"):
         graphs(rows[5])  # eager (5 rounds long ago): its move is checked
     grow["by"] = 3
-    graphs.frozen = True  # after a warmup: a shape seen often enough still runs eagerly, never captured
+    scope.capturing = "none"
     for _ in range(20):
         graphs(rows[11])
-    assert len(captures) == 1
+    assert len(captures) == 1 and graphs.missed == 20
 
 
-def test_rounds_inside_a_round_being_captured_run_eagerly(monkeypatch):
-    """A block fill's rejection rounds inside an SMC cycle: while the outer round is captured the inner graphs
-    neither replay nor capture nor count shapes; while it runs eagerly they work as they would alone."""
+def _emulated_capture(self, key, static, before, after, context, options):
+    """`Graphs._capture` on the CPU: the eager run with the bucket's plans, and a graph whose replay runs the unit
+    again inside a capture scope (units inside run as plain code, forwards planned for the bucket)."""
+    with self.scope.planned(context):
+        outputs = self.run(*static, **options)
+    like = outputs if isinstance(outputs, tuple) else (outputs,)
+    static_outputs = tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in like)
+
+    class Replayer:
+        def replay(self_) -> None:
+            with self.scope.planned(context):
+                again = self.run(*static, **options)
+            for out, new in zip(static_outputs, again if isinstance(again, tuple) else (again,)):
+                if isinstance(out, torch.Tensor):
+                    out.copy_(new)
+
+    kept = static_outputs if isinstance(outputs, tuple) else static_outputs[0]
+    self.captured[key] = _Captured(Replayer(), static, kept)
+    return outputs
+
+
+def test_units_inside_a_unit_being_captured_run_as_plain_code(monkeypatch):
+    """A block fill's rejection rounds inside an SMC cycle: while the outer unit is captured (its eager run with the
+    bucket's plans included) the inner one neither replays nor captures nor counts shapes; while it runs eagerly the
+    inner one works as it would alone; the scope says no capture is in progress afterwards."""
     state = _Counter()
 
     def inner_fn(rows):
         state.length += 1
         return rows + 1
 
+    scope = GraphScope([64])
     length = [HostField(state, "length", "length")]
-    inner = RoundGraphs(inner_fn, GraphParts(host=length), [64])
-    outer = RoundGraphs(lambda rows: inner(inner(rows)), GraphParts(host=length, graphs=[inner]), [64])
+    inner = Graphs(inner_fn, scope, length)
+    outer = Graphs(lambda rows: inner(inner(rows)), scope, length)
     captured = []
 
-    def fake_capture(graphs, key, inputs, before, after, context):  # the capture's runs, without a GPU
-        captured.append(graphs)
-        with graphs._inside(context):
-            return graphs.round_fn(*inputs)
+    def fake_capture(self, *args):
+        captured.append(self)
+        return _emulated_capture(self, *args)
 
-    for graphs in (inner, outer):
-        monkeypatch.setattr(graphs, "_capture", lambda *args, g=graphs: fake_capture(g, *args))
+    monkeypatch.setattr(Graphs, "_capture", fake_capture)
     outer.capture_after = 4
     rows = torch.zeros(3, dtype=torch.int64)
     for _ in range(3):
         assert (outer(rows) == 2).all()
     assert captured == [] and len(inner.recent) == 6  # eager outer rounds: the inner ones count as usual
     assert (outer(rows) == 2).all()
-    assert captured == [outer] and len(inner.recent) == 6 and not inner.inside_outer  # captured: inner untouched
+    assert captured == [outer] and len(inner.recent) == 6 and scope.bucket is None  # inner untouched
+    assert (outer(rows) == 2).all() and outer.replays == 1 and len(inner.recent) == 6
     for _ in range(2):
         inner(rows)
     assert captured == [outer, inner]
+
+
+def test_a_cycle_is_keyed_by_the_shape_of_every_input(monkeypatch):
+    """A cycle's inputs differ in length (rows, group slots, stop ids): as many rows in other groups are another
+    shape, with a graph of its own, and each replays what it computes."""
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    scope = GraphScope([64])
+    scope.capturing = "every"
+    unit = Graphs(lambda rows, slots: rows.sum() + 10 * slots.sum(), scope)
+    rows = torch.arange(4)
+    assert unit(rows, torch.tensor([1])) == 16 and unit(rows, torch.tensor([1, 2])) == 36
+    assert len(unit.captured) == 2 and unit.replays == 0
+    assert unit(rows, torch.tensor([2])) == 26 and unit(rows + 1, torch.tensor([0, 1])) == 20 and unit.replays == 2
+
+
+def test_a_forward_captures_every_rows_and_context_bucket_at_first_use_and_pads_its_rows(monkeypatch):
+    """A forward unit (rows padded to a bucket, no host ints): its first run captures its width at every rows ×
+    context bucket from padding alone; a replay copies the rows in, sets the padding rows to their pads and hands
+    back the real rows' outputs, equal to an eager run; longer contexts take a larger bucket."""
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    scope = GraphScope([512, 2048])
+    seen = []
+
+    def forward(rows, tokens):
+        seen.append((len(rows), scope.bucket))
+        return (tokens * 2 + rows[:, None],)
+
+    unit = Graphs(forward, scope, row_buckets=[1, 2, 4, 8], pads=(8, None))
+    rows, tokens = torch.tensor([3, 1, 4]), torch.tensor([[5], [6], [7]])
+    (out,) = unit(rows, tokens, longest=100)
+    assert torch.equal(out, tokens * 2 + rows[:, None])
+    assert len(unit.captured) == 8 and seen[:2] == [(8, 2048), (8, 512)]  # largest first
+    static = next(
+        c.inputs for (shape, context), c in unit.captured.items() if shape[0][0][0] == (4,) and context == 512
+    )
+    assert static[0].tolist() == [3, 1, 4, 8]  # the padding row points at the scratch row
+    (out,) = unit(rows[:2], tokens[:2], longest=600)
+    assert torch.equal(out, tokens[:2] * 2 + rows[:2, None]) and seen[-1] == (2, 2048)
+    assert unit.replays == 2 and len(unit.captured) == 8
+
+
+def test_warmup_captures_every_cycle_shape_that_real_traffic_meets(smc_models, monkeypatch):  # noqa: F811
+    """Issue 29 §4: under a block fill an SMC cycle's graph is keyed by the rounds R planned from the measured
+    acceptance law, and real traffic's law is not the warmup's. After `warmup()` (units and captures as on CUDA,
+    emulated), requests whose laws plan every R a block may take run no cycle without a graph."""
+    decoder = _decoder("eagle3-rejection-smc", smc_models, max_batch_rows=8)
+    stack, scope = decoder.stack, decoder.stack.scope
+    rejection, top = stack.levels[1], stack.top
+    rejection.rounds = Graphs(rejection._kept, scope, rejection.graph_parts().host, rejection.state.timer.whole)
+    top.cycle_graphs = Graphs(top._decided_cycle, scope, top.graph_parts().host, top.state.timer.whole)
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    decoder.warmup(progress=False)
+    fill = rejection.fill
+    assert scope.capturing == "none" and fill.forced is None
+    planned = [f.name for f in top.cycle_graphs.host if f.role == "key"].index("planned")
+    assert {key[0][2][planned] for key in top.cycle_graphs.captured} == set(fill.choices(5))
+    monkeypatch.setattr(fill, "observe", lambda values: None)  # real traffic: the law stays what is set here
+    plans = set()
+    for mean in (1.0, 1.6, 2.3, 3.1, 4.0):
+        fill.law = geometric_yield_law(mean, 3)
+        plans.add(fill.planned)
+        for n in (1, 2):
+            decoder.generate(PROMPTS[:n], max_new_tokens=20, ignore_eos=True)
+            assert top.cycle_graphs.replays > 0
+    assert len(plans) >= 3 and top.cycle_graphs.missed == 0
+
+
+def test_engine_modules_import_each_other_without_a_cycle():
+    """Every import between `hsmc/engine` modules, those under TYPE_CHECKING included, goes one way (the graph
+    mechanism imports no other engine module; the runner, timer and sampler import it)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "hsmc" / "engine"
+    imports = {}
+    for path in root.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hsmc.engine."):
+                names.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                names |= {a.name.split(".")[2] for a in node.names if a.name.startswith("hsmc.engine.")}
+        imports[path.stem] = names
+    assert imports["runner"] >= {"graphs"} and not imports["graphs"]
+
+    def reaches(start: str, seen: tuple[str, ...]) -> None:
+        for name in imports.get(start, ()):
+            assert name not in seen, f"import cycle: {' -> '.join((*seen, name))}"
+            reaches(name, (*seen, name))
+
+    for module in imports:
+        reaches(module, (module,))

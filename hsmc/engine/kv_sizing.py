@@ -50,8 +50,8 @@ def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0,
     elements), which a forward of more rows than the FP8 kernel takes dequantizes, and the activations of one
     prefill chunk (`prefill_activation_bytes`). The first three were each found missing on an H200 when the
     pools took the rest (`hsmc bench --config`, tests/gpu's FP8 stack). With CUDA graphs a rejection
-    round's or an SMC cycle's logits come again, in their graphs' pool (`RoundGraphs`; a cycle and the rounds
-    inside it share one): the larger of a round's `LOGIT_COPIES` and a cycle's `GRAPH_LOGIT_COPIES`. Measured on an
+    round's or an SMC cycle's logits come again, in the graphs' pool (`Graphs`; every graph of a stack
+    shares one): the larger of a round's `LOGIT_COPIES` and a cycle's `GRAPH_LOGIT_COPIES`. Measured on an
     H200 (`--sections cycles`, float64 weights scored a position at a time): an eager SMC cycle peaks at 7.8
     bytes per logit, the cycle graphs' pool holds 15-18 (its 2-3 captured shapes fit each other's blocks
     imperfectly), together 23-25 against the 24 reserved for a cycle. A warmup (`engine.warmup`) captures every batch

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hsmc.engine.graphs import GraphParts, HostField
 from hsmc.engine.host_io import upload
-from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.ops.backend import Backend, TorchBackend
 
 

@@ -12,21 +12,24 @@ from contextlib import contextmanager
 
 import torch
 
+from hsmc.engine.graphs import GraphScope
+
 
 class ForwardTimer:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, scope: GraphScope) -> None:
+        """`scope`: the stack's graph scope, which says when a graphed unit is timed whole."""
         self.cuda = device.type == "cuda"
+        self.scope = scope
         self.reset()
 
     def reset(self) -> None:
-        self._paused = False
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._seconds = 0.0
         self.count = 0  # forwards timed
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
-        if self._paused:
+        if self.scope.timed_whole:
             yield
             return
         self.count += 1
@@ -42,14 +45,15 @@ class ForwardTimer:
             self._seconds += time.perf_counter() - began
 
     @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Forwards inside are not timed: a graphed round (`RoundGraphs`) is timed as a whole by its level (a
-        round inside a graphed round leaves it paused)."""
-        was, self._paused = self._paused, True
-        try:
-            yield
-        finally:
-            self._paused = was
+    def whole(self) -> Iterator[None]:
+        """Time a graphed unit (a round, a cycle) as one forward, however it runs: the forwards inside it, of any
+        level, are not timed on their own (a replay would not run them)."""
+        with self():
+            was, self.scope.timed_whole = self.scope.timed_whole, True
+            try:
+                yield
+            finally:
+                self.scope.timed_whole = was
 
     def seconds(self) -> float:
         if self._events:

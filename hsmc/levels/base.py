@@ -33,8 +33,8 @@ from typing import Protocol
 
 import torch
 
+from hsmc.engine.graphs import GraphParts, HostField
 from hsmc.engine.host_io import upload
-from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.block_fill import BlockFill
@@ -114,7 +114,7 @@ class Level(Protocol):
         ...
 
     def graph_parts(self) -> GraphParts:
-        """Runners, timers and host ints a captured round of a level above touches through this one."""
+        """The models and host ints a captured round of a level above touches through this one."""
         ...
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None: ...
@@ -216,7 +216,7 @@ class SequenceState(TokenRows):
         super().__init__(max_rows, capacity, runner.device, runner.backend)
         self.runner = runner
         self.prefill_chunk_tokens = prefill_chunk_tokens  # engine.prefill_chunk_tokens
-        self.timer = ForwardTimer(runner.device)
+        self.timer = ForwardTimer(runner.device, runner.scope)
         self.pending_bound = 0
         self.prompt_lengths: list[int] = []  # of the prompts loaded since the last forward: it is their prefill
 
@@ -233,7 +233,7 @@ class SequenceState(TokenRows):
         self.pending_bound = min(self.pending_bound, bound)
 
     def graph_parts(self) -> GraphParts:
-        return super().graph_parts() + GraphParts([self.runner], [self.timer], [HostField(self, "pending_bound")])
+        return super().graph_parts() + GraphParts([self.runner.module], [HostField(self, "pending_bound")])
 
     @staticmethod
     @contextmanager

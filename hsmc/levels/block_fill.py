@@ -20,7 +20,9 @@ block is left out, which errs toward a round more. The earlier rule, ceil(K / me
 K = 16, N = 6); planned, 10 %, and 1.27-1.38x the tok/s (docs/engine.md).
 
 The number of rounds for the next block (`planned`, for the SMC level's K, which it sets as `block`) is a
-host int a captured SMC cycle is keyed by; the blocks and rounds counted are statistics it advances.
+host int a captured SMC cycle is keyed by; the blocks and rounds counted are statistics it advances. Every R in
+`choices(K)` is the plan of some law (all 13 are for K = 16, γ = 4, N = 6), and real traffic's law is not a
+warmup's synthetic one: a warmup runs each R in turn (`forced`), so that each has its cycle graphs.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class BlockFill:
         self.rows = 1  # particles per group of the smc level above (set by it for each run)
         self.verify_rounds = 1.0  # the rest of the smc cycle in rounds: its weight bytes / round_bytes (set by it)
         self.law = (1 / (gamma + 1),) * (gamma + 1)  # before the first read: yields uniform on 1..γ+1
+        self.forced: int | None = None  # rounds every block runs instead of the plan's (a warmup's)
         self.reset()
 
     @property
@@ -84,7 +87,14 @@ class BlockFill:
 
     def rounds_for(self, k: int) -> int:
         """Rounds for a block of k tokens (at least 1; a row already holding k only idles)."""
+        if self.forced is not None:
+            return self.forced
         return plan_rounds(k, self.law, self.rows, self.verify_rounds)[0]
+
+    def choices(self, k: int) -> range:
+        """Every R a plan for a block of k tokens may take, whatever the law: fewer than ceil(k / (γ+1)) rounds
+        never fill it, k rounds always do."""
+        return range(-(-k // (self.gamma + 1)), k + 1)
 
     def rounds(self, k: int) -> int:
         """Rounds to run for a block of k tokens now, counted."""

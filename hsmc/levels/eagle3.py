@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hsmc.engine.graphs import GraphParts, HostField
 from hsmc.engine.random_streams import DRAW, RowStreams, purpose_of
-from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.sampler import RowLaws
 from hsmc.engine.timer import ForwardTimer
@@ -59,7 +59,7 @@ class Eagle3Level:
         self.max_bridged = max_bridged
         self.laws, self.streams, self.draw = laws, streams, purpose_of(salt, DRAW)
         self.state = TokenRows(max_rows, capacity, device, runner.backend)
-        self.timer = ForwardTimer(device)
+        self.timer = ForwardTimer(device, runner.scope)
         h, dtype = cfg.hidden_size, self.head.fc.weight.dtype
         self.window = feature_window
         self.prefill_chunk_tokens = prefill_chunk_tokens  # engine.prefill_chunk_tokens
@@ -170,7 +170,7 @@ class Eagle3Level:
         self.state.bound_lengths(bound)
 
     def graph_parts(self) -> GraphParts:
-        own = GraphParts([self.runner], [self.timer], [HostField(self, "proposed")])
+        own = GraphParts([self.head], [HostField(self, "proposed")])
         return self.state.graph_parts() + self.laws.graph_parts() + own
 
     def reset_stats(self) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hsmc.engine.graphs import GraphParts, HostField
 from hsmc.engine.random_streams import DRAW, RowStreams, purpose_of
-from hsmc.engine.round_graphs import GraphParts, HostField
 from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput, masked_accept
 

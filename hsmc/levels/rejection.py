@@ -21,16 +21,16 @@ Under an `smc` level, asked for exactly K tokens, it fills the block with a host
 `Proposal.ready`, so the SMC level defers their group's step instead of reading the device.
 
 With `graph_rounds` (CUDA) a round — the drafter's γ proposals, the verify, the acceptance test and both
-models' rollback — is captured and replayed as one CUDA graph per shape (`RoundGraphs`), and timed as a whole.
+models' rollback — is a graphed unit (`Graphs`: one CUDA graph per shape, replayed), timed as a whole.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hsmc.engine.graphs import GraphParts, Graphs, HostField
 from hsmc.engine.host_io import read_counters
 from hsmc.engine.random_streams import ACCEPT, RESIDUAL, RowStreams, purpose_of
-from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
 from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput, masked_accept
 from hsmc.levels.block_fill import BlockFill
@@ -73,12 +73,11 @@ class RejectionLevel:
         self.fill = BlockFill(num_draft_tokens, self.yields, self._round_bytes())
         self.rounds = None
         if graph_rounds:
-            buckets = state.runner.graphs.context_buckets
-            self.rounds = RoundGraphs(self._kept, self.graph_parts(), buckets)
+            self.rounds = Graphs(self._kept, state.runner.scope, self.graph_parts().host, state.timer.whole)
 
     def _round_bytes(self) -> int:
         """Weight bytes one round reads: every model of the drafter's stack γ times, the verifier once."""
-        drafters = {id(r.module): r.module for r in self.drafter.graph_parts().runners}
+        drafters = {id(m): m for m in self.drafter.graph_parts().modules}
         return weight_bytes(self.state.runner.module) + self.gamma * sum(map(weight_bytes, drafters.values()))
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
@@ -188,9 +187,8 @@ class RejectionLevel:
         self.drafter.set_len_bound(bound + ahead)
 
     def graph_parts(self) -> GraphParts:
-        """What a round touches (a graph of a round of the level above holds this level's round graphs inside)."""
-        inner = [self.rounds] if self.rounds is not None else []
-        own = GraphParts(host=[HostField(self, "ahead")], graphs=inner)
+        """What a round touches (the level's own and those of the levels below)."""
+        own = GraphParts(host=[HostField(self, "ahead")])
         return self.state.graph_parts() + self.laws.graph_parts() + self.drafter.graph_parts() + own
 
     def reset_stats(self) -> None:
@@ -221,8 +219,7 @@ class RejectionLevel:
         """One round (`_round`), replayed from a CUDA graph with `graph_rounds` (then without its distributions)."""
         if self.rounds is None:
             return self._round(rows, active)
-        with self.state.timer():
-            return self.rounds(rows, active), None
+        return self.rounds(rows, active), None
 
     def _kept(self, rows: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
         """A round's kept-draft counts alone: a graph keeps its outputs alive (the distributions would be

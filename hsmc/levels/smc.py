@@ -32,20 +32,19 @@ text before the weights: the driver reads after the verify and `weigh`s each par
 the next launch; a group finished by the host gets its result from the next read.
 
 With `graph_cycles` (CUDA) a cycle whose ends the device decides — everything from the resampling plan to
-the weights and the record — is captured and replayed as one CUDA graph per shape (`RoundGraphs`: groups,
-rows, the planned fill rounds), and timed as a whole.
+the weights and the record — is a graphed unit (`Graphs`: one CUDA graph per shape — groups, rows, the planned
+fill rounds — replayed), timed as a whole; the block fill's rounds inside it are plain code in its graph.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from hsmc.engine.graphs import GraphParts, Graphs, HostField
 from hsmc.engine.host_io import PendingRead, read_counters, upload
 from hsmc.engine.random_streams import DRAW, RESAMPLE, SELECT, RowStreams, purpose_of
-from hsmc.engine.round_graphs import GraphParts, HostField, RoundGraphs
 from hsmc.engine.sampler import Law, RowLaws
 from hsmc.engine.tops import Group, Launch, Settled
 from hsmc.levels.base import Level, SequenceState
@@ -124,11 +123,11 @@ class SMCLevel:
             proposal.fill.verify_rounds = weight_bytes(state.runner.module) / proposal.fill.round_bytes
         self.cycle_graphs = None
         if graph_cycles:
-            buckets = state.runner.graphs.context_buckets
-            self.cycle_graphs = RoundGraphs(self._decided_cycle, self.graph_parts(), buckets)
+            host = self.graph_parts().host
+            self.cycle_graphs = Graphs(self._decided_cycle, state.runner.scope, host, state.timer.whole)
 
     def graph_parts(self) -> GraphParts:
-        """What a cycle touches besides device tensors: every level's runners, timers and host ints."""
+        """What a cycle touches besides device tensors: every level's models and host ints."""
         own = [HostField(self, "group_size")]
         if (fill := self.proposal.fill) is not None:
             own += [HostField(fill, "planned")]
@@ -245,8 +244,7 @@ class SMCLevel:
         growth = self.params.block_size + 1
         if not weigh:  # weighed once the host has read the text
             return self._launch_of(groups, self._cycle(*index), self._record(), growth, weighed=False)
-        with self.state.timer() if self.cycle_graphs is not None else nullcontext():
-            ancestors, flags, ess, tokens, record = (self.cycle_graphs or self._decided_cycle)(*index, self.stop_ids)
+        ancestors, flags, ess, tokens, record = (self.cycle_graphs or self._decided_cycle)(*index, self.stop_ids)
         return self._launch_of(groups, _Cycle(index[0], ancestors, flags, ess, None, tokens), record, growth, True)
 
     def settle(self, launch: Launch, values: list) -> Settled:

@@ -10,11 +10,12 @@ from torch import nn
 
 from hsmc.config import HsmcConfig, LevelConfig
 from hsmc.eagle.checkpoint import capture_layers, load_eagle3_head, random_eagle3_head
+from hsmc.engine.graphs import GraphScope
 from hsmc.engine.host_io import upload
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.kv_sizing import free_memory, stack_capacity, with_rows
 from hsmc.engine.random_streams import RowStreams
-from hsmc.engine.runner import ModelRunner
+from hsmc.engine.runner import ModelRunner, context_buckets
 from hsmc.engine.sampler import RowLaws
 from hsmc.engine.scheduler import lookahead_tokens
 from hsmc.engine.tops import Group
@@ -40,6 +41,7 @@ class Stack:
     capacity: int  # KV slots of every model's pool (engine.kv_capacity_tokens, resolved when "auto")
     max_rows: int  # engine.max_batch_rows, resolved when "auto"
     device: torch.device
+    scope: GraphScope  # what the levels' graphed units (forwards, rounds, cycles) share
 
     @property
     def top(self) -> Any:
@@ -136,6 +138,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
     rows = cfg.engine.max_batch_rows
     capacity = _kv_capacity(cfg, modules, device)
     streams = RowStreams(rows, device)
+    scope = GraphScope(context_buckets(capacity))
     levels: list[Any] = []
     vocabularies: list[tuple[int, Any | None]] = []  # (vocab size, tokenizer) per level
     for i, lc in enumerate(cfg.levels):
@@ -147,7 +150,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
             verifier = model_of(above).model
             head, head_config = heads[i]
             layers = capture_layers(head_config, verifier.config.num_layers)
-            runner = ModelRunner(head, tables(), backend, num_layers=1, cuda_graphs=graphs)
+            runner = ModelRunner(head, tables(), backend, num_layers=1, cuda_graphs=graphs, scope=scope)
             embed = verifier.model.embed_tokens
             if above.kind == "smc" and head.draft_vocab_size < head.config.vocab_size:
                 raise ConfigError(
@@ -169,9 +172,8 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
         vocabularies.append((model.model.config.vocab_size, model.tokenizer))
         below: Level | None = levels[-1] if levels else None
         capture = below.feature_layers if below is not None else ()
-        runner = ModelRunner(
-            model.model, tables(), backend, model.model.config.num_layers, cuda_graphs=graphs, capture=capture
-        )
+        num_layers = model.model.config.num_layers
+        runner = ModelRunner(model.model, tables(), backend, num_layers, graphs, scope, capture=capture)
         state = SequenceState(runner, rows, capacity, cfg.engine.prefill_chunk_tokens)
         if lc.kind == "model":
             levels.append(ModelLevel(state, laws, streams, salt))
@@ -192,7 +194,8 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
     _check_same_vocabulary(cfg.levels, vocabularies)
     tokenizer = next((t for _, t in reversed(vocabularies) if t is not None), None)
     top = model_of(cfg.levels[-1]).model
-    return Stack(levels, list(cfg.levels), tokenizer, top.config.eos_token_ids, streams, capacity, rows, device)
+    eos = top.config.eos_token_ids
+    return Stack(levels, list(cfg.levels), tokenizer, eos, streams, capacity, rows, device, scope)
 
 
 def _with_rows(cfg: HsmcConfig, modules: list[Any], device: torch.device) -> HsmcConfig:

@@ -5,6 +5,8 @@ of the request). Tiny float32 models: differences are bugs, not rounding."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -85,5 +87,36 @@ def test_seeded_request_is_the_same_graphed_eager_alone_and_amid_others(stacks, 
     amid = without_syncs(lambda: graphed.generate(batch, params=[others[0], others[1], mine, others[2]]))[2]
     assert alone.token_ids == eager.token_ids
     assert amid.token_ids == alone.token_ids
+    graphed.driver.quiesce()
+    assert_pools_empty(graphed)
+
+
+def test_after_warmup_no_cycle_runs_without_a_graph_whatever_the_acceptance_law(stacks, monkeypatch):
+    """Issue 29 §4 on the device: after `warmup()` of [EAGLE3 head, rejection, smc] with a block fill, requests whose
+    acceptance laws plan every R a block may take replay every cycle (none runs eagerly, none captures: no sync),
+    and their tokens are those of the same requests on an eager decoder. Prints the warmup's time and captures."""
+    from hsmc.levels.block_fill import geometric_yield_law
+
+    graphed = decoder(stacks["hierarchical"], "cuda")
+    began = time.perf_counter()
+    graphed.warmup(progress=False)
+    seconds = time.perf_counter() - began
+    units = graphed.stack.scope.units
+    print(f"warmup {seconds:.1f} s, {sum(len(u.captured) for u in units)} graphs ({len(units)} units)")
+    top, fill = graphed.stack.top, graphed.stack.levels[1].fill
+    eager = decoder(stacks["hierarchical"], "cuda", cuda_graphs=False)
+    for d in (graphed, eager):  # the law stays what is set below
+        monkeypatch.setattr(d.stack.levels[1].fill, "observe", lambda values: None)
+    params = [SamplingParams(seed=s, max_tokens=20, ignore_eos=True) for s in (5, 6)]
+    plans = set()
+    for mean in (1.0, 1.8, 2.6, 3.4, 4.2, 5.0):
+        for d in (graphed, eager):
+            d.stack.levels[1].fill.law = geometric_yield_law(mean, fill.gamma)
+        plans.add(fill.planned)
+        for n in (1, 2):
+            got = without_syncs(lambda: graphed.generate([[3, 4, 5], [6, 7, 8, 9]][:n], params=params[:n]))
+            want = eager.generate([[3, 4, 5], [6, 7, 8, 9]][:n], params=params[:n])
+            assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert len(plans) >= 4 and top.cycle_graphs.missed == 0 and top.cycle_graphs.replays > 0
     graphed.driver.quiesce()
     assert_pools_empty(graphed)
