@@ -165,7 +165,6 @@ def time_8b_steps(
     `use(variant)` sets the route before the graphs are captured again; variants interleaved over `rounds` (a clock
     drift hits all alike), the median kept; "weight_read_ms" is the roofline of a step."""
     from hsmc.bench import timed
-    from hsmc.engine.cuda_graphs import CUDAGraphs
     from hsmc.engine.kv_pool import BlockTables, SlotAllocator
     from hsmc.engine.runner import ModelRunner
     from hsmc.models.config import DecoderConfig
@@ -191,7 +190,7 @@ def time_8b_steps(
         for _ in range(rounds):
             for name in variants:
                 use(name)
-                runner.graphs = CUDAGraphs(runner)
+                runner.graphs.captured.clear()  # recaptured with this variant
                 tokens = torch.randint(0, 1000, (m, 1), device="cuda")
                 back = torch.full_like(rows, context)
                 with torch.inference_mode():

@@ -193,7 +193,6 @@ def decode_forward(report: Report) -> None:
     """Where the planner's choice shows in the step time: attention sits on the chain of dependent kernels."""
     import hsmc.ops.triton_backend as triton_backend
     from hsmc.bench import timed
-    from hsmc.engine.cuda_graphs import CUDAGraphs
     from hsmc.engine.kv_pool import BlockTables, SlotAllocator
     from hsmc.engine.runner import ModelRunner
     from hsmc.models.config import DecoderConfig
@@ -217,7 +216,7 @@ def decode_forward(report: Report) -> None:
             settings = [AttentionPlan(4, 16, s, b, w) for s in (1, 2, 4, 8, 16) for b in (32, 64, 128) for w in (2, 4)]
             for plan in [None, *settings]:
                 triton_backend.plan_attention = planner if plan is None else (lambda *a, p=plan: p)
-                runner.graphs = CUDAGraphs(runner)
+                runner.graphs.captured.clear()  # recaptured with this variant
                 tokens = torch.randint(0, 1000, (1, 1), device="cuda")
                 back = torch.full_like(rows, context)
                 with torch.inference_mode():
