@@ -1,0 +1,55 @@
+"""Batched FP8 SMC-SD at the compute bound (issue 30 item 6): the FP8 8B -> FP8 32B stack (N = 8, K = 8, FP8
+activations) at 1 and 16 requests, in one run with the FP8-activation GEMMs on Triton's w8a8 kernel (the route before
+cuBLASLt's block-scaled GEMM) and on the routes this GPU's tuning file picks, each against its weight-read bound.
+
+    python scripts/bench_fp8_routes.py [--batch 1,16] [--new-tokens 128] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hsmc.bench import run_bench, to_json  # noqa: E402
+from hsmc.config import load_config  # noqa: E402
+from hsmc.ops.linear_router import router_for  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bench" / "smc_8b_32b.yaml"
+OVERRIDES = ["levels.0.dtype=fp8", "levels.1.dtype=fp8", "engine.fp8_activations=true", "engine.max_batch_rows=128"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", default="1,16")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    router = router_for(torch.device("cuda"))
+    tuned = router.tuning
+    print(f"tuning: {tuned.source}; block-scaled FP8 rows: {tuned.fp8_block_scaled}")
+    out = {}
+    for label, tuning in (("triton w8a8", dataclasses.replace(tuned, fp8_block_scaled=None)), ("tuned", tuned)):
+        router.tuning = tuning
+        router._routes.clear()
+        config = load_config(CONFIG, OVERRIDES)
+        batches = [int(b) for b in args.batch.split(",")]
+        rows, table = run_bench([], config, batches, 128, args.new_tokens, "bfloat16", False, {}, name=label)
+        print(f"== FP8-activation GEMMs: {label}\n{table}", flush=True)
+        out[label] = json.loads(to_json(rows))
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_fp8_routes.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
