@@ -101,6 +101,13 @@ class LinearRouter:
         return Route(Kernel.FP8_DEQUANTIZED, rows)
 
 
-@cache
 def router_for(device: torch.device) -> LinearRouter:
+    """The router of a device: one per GPU, whether it is named `cuda` or `cuda:0`."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _router(device)
+
+
+@cache
+def _router(device: torch.device) -> LinearRouter:
     return LinearRouter(tuning_for(device), device)
