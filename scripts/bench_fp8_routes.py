@@ -42,7 +42,8 @@ def main() -> None:
         config = load_config(CONFIG, OVERRIDES)
         batches = [int(b) for b in args.batch.split(",")]
         rows, table = run_bench([], config, batches, 128, args.new_tokens, "bfloat16", False, {}, name=label)
-        print(f"== FP8-activation GEMMs: {label}\n{table}", flush=True)
+        kernels = sorted({f"{route.kernel.value} x{rows}" for (rows, *_), route in router._routes.items() if rows > 16})
+        print(f"== FP8-activation GEMMs: {label}\n{table}\nroutes above 16 rows: {', '.join(kernels)}", flush=True)
         out[label] = json.loads(to_json(rows))
         gc.collect()
         torch.cuda.empty_cache()
