@@ -99,9 +99,11 @@ class HierarchicalDecoder:
         forward's graphs cover every row and context bucket of its width at once; a rejection round's or SMC
         cycle's are captured once a shape makes 8 of the last 16). Under a block fill a cycle's graph also depends on
         the rounds R it plans from the acceptance law, which real traffic does not share with synthetic requests:
-        each batch size runs again once for every R a plan may take (`BlockFill.choices`), each shape captured at
-        its second run. Then capturing stops: a shape first seen later (a context past the first bucket, another
-        mix of sampling laws) runs eagerly. Prefills of a few sizes run once, so that their kernels are compiled
+        one request and a full batch run again once for every R a plan may take (`BlockFill.choices`), each shape
+        captured at its second run (every batch size at every R took over 10 minutes for the hierarchical stack's 16
+        sizes x 13 R on an H100). Then capturing stops: a shape first seen later (a context past the first bucket,
+        another mix of sampling laws, a batch size between at an R the warmup's law did not plan) runs eagerly and is
+        counted (`Graphs.missed`). Prefills of a few sizes run once, so that their kernels are compiled
         too. Nothing to do without graphed units."""
         scope = self.stack.scope
         if self._warm or not scope.units:
@@ -120,7 +122,7 @@ class HierarchicalDecoder:
         ]
         fill = stack.top.proposal.fill if stack.is_smc else None
         if fill is not None:  # two blocks at each R: a second cycle of its shape
-            batches += [(n, 16, 2 * per_step + 1, r) for n in range(1, most + 1) for r in fill.choices(top.block_size)]
+            batches += [(n, 16, 2 * per_step + 1, r) for n in sorted({1, most}) for r in fill.choices(top.block_size)]
         # prefills of other sizes compile their kernels with one token each: Triton specializes on the shapes, and
         # the attention plans (splits by occupancy) change where the row count crosses a power of two
         counts = sorted({1, most, *(2**k + 1 for k in range(most.bit_length()) if 2**k + 1 <= most)})
