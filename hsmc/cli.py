@@ -227,15 +227,21 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from hsmc.config import load_config
-    from hsmc.serve.engine_process import EngineProcess
+    from hsmc.decoder import HierarchicalDecoder
+    from hsmc.errors import KVCapacityError
+    from hsmc.preflight import check_before_loading
     from hsmc.serve.server import serve
 
     if args.max_queue < 1 or args.shutdown_timeout < 0:
         raise HsmcError("serve: --max-queue must be at least 1 and --shutdown-timeout at least 0")
     cfg = load_config(args.config, [*args.overrides, "engine.warmup=true"])  # the KV budget leaves room for it
-    engine = EngineProcess(cfg)  # the decoder in a process of its own: the HTTP front end keeps this one's GIL
+    try:  # the levels' files and the stop strings, before minutes of loading
+        check_before_loading(cfg, [[0]])
+    except KVCapacityError as e:
+        raise KVCapacityError(f"serve: a one-token prompt with generation.max_new_tokens does not fit: {e}") from None
+    decoder = HierarchicalDecoder(cfg)
     name = args.served_model_name or cfg.levels[-1].model
-    serve(engine, name, args.host, args.port, args.max_queue, args.shutdown_timeout)
+    serve(decoder, name, args.host, args.port, args.max_queue, args.shutdown_timeout)
     return 0
 
 

@@ -26,9 +26,6 @@ class ModelLoadError(HsmcError, ValueError):
         super().__init__(message)
         self.source = source
 
-    def __reduce__(self) -> tuple:  # `source` survives a pickle (`hsmc serve`'s engine process sends errors)
-        return type(self), (str(self), self.source)
-
 
 class UnsupportedArchitectureError(ModelLoadError):
     """The config names a model family or feature the decoder does not implement."""
@@ -52,9 +49,6 @@ class RequestError(HsmcError, ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
-
-    def __reduce__(self) -> tuple:
-        return type(self), (str(self), self.field)
 
 
 class RequestCancelled(HsmcError):

@@ -1,13 +1,14 @@
 """Serving on the GPU, with random weights of the Qwen3 shapes: no capture inside the first requests, and HTTP
 against in-process throughput.
 
-For each stack it prints, in one run on one GPU, with the decoder in an engine process as `hsmc serve` runs it
-(`EngineProcess`, `engine.warmup` on; the KV pool sized automatically but for the hierarchical stack):
+For each stack it prints, in one run on one GPU, with `engine.warmup` on as `hsmc serve` runs (and the KV pool sized
+automatically but for the hierarchical stack):
 - the time to load and warm up, then 20 identical requests: max / median latency (target <= 1.15);
 - 16 concurrent requests through `hsmc serve`'s app over HTTP (loopback, streaming, the clients in a process of
-  their own as real clients are) against the same 16 requests handed to the engine's request driver directly (what
-  `generate` does in the engine's process): tok/s in all and their ratio (target >= 0.9), time to first token
-  p50 / p99 of each, and whether every HTTP output equals the direct one (same seeds).
+  their own as real clients are) against the same 16 requests through in-process `generate`: tok/s in all and
+  their ratio (target >= 0.9), time to first token p50 / p99 of each, and whether every HTTP output equals the
+  in-process one (same seeds);
+- the rows `engine.max_batch_rows: auto` would give the stack on this GPU.
 (Tiny stacks on CUDA against the CPU, graphed against eager, and the synchronizing calls: `python -m pytest -m gpu`.)
 
     python scripts/serve_bench.py --out DIR [--stacks 8b,smc,hierarchical] [--new-tokens 64]
@@ -26,11 +27,14 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hsmc.config import load_config  # noqa: E402
-from hsmc.requests import Increment, Result, SamplingParams, derive_seed  # noqa: E402
-from hsmc.serve.engine_process import EngineProcess  # noqa: E402
+from hsmc.decoder import HierarchicalDecoder  # noqa: E402
+from hsmc.engine.kv_sizing import free_memory, with_rows  # noqa: E402
+from hsmc.requests import SamplingParams, derive_seed  # noqa: E402
 
 STACKS = {
     "8b": (
@@ -70,32 +74,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def timed_generate(engine: EngineProcess, prompts, params) -> tuple[float, list[Result]]:
-    """The requests handed to the engine's request driver at once, as `generate` hands them in its process: wall
-    seconds until the last result, and the results."""
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    results: dict[int, Result] = {}
-    errors: list[BaseException] = []
-    done = threading.Event()
-
-    def sink(increment: Increment) -> None:  # on the engine process's receiver thread
-        if increment.error is not None:
-            errors.append(increment.error)
-            done.set()
-        if increment.result is not None:
-            results[increment.index] = increment.result
-            if len(results) == len(prompts):
-                done.set()
-
+def timed_generate(decoder: HierarchicalDecoder, prompts, params) -> tuple[float, list]:
+    torch.cuda.synchronize()
     start = time.perf_counter()
-    engine.driver.submit(prompts, params, sink, indices=range(len(prompts)))
-    done.wait()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - start, [results[k] for k in range(len(prompts))]
+    results = decoder.generate(prompts, params=params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, results
 
 
-def http_run(decoder: EngineProcess, prompts, params: list[SamplingParams]) -> tuple[float, list, list, list]:
+def http_run(decoder: HierarchicalDecoder, prompts, params: list[SamplingParams]) -> tuple[float, list, list, list]:
     """The requests through the server's app (uvicorn on a loopback port, streaming completions with token-id
     prompts), all at once from a client process of their own: wall seconds, each one's time to its first content
     chunk at the client and in the engine (from its submission), and its token ids."""
@@ -157,14 +144,21 @@ def bench(name: str, new_tokens: int, log: list[str]) -> dict:
     levels, engine = STACKS[name]
     config = load_config({"levels": levels, "engine": {"device": "cuda", "warmup": True, **engine}})
     start = time.perf_counter()
-    decoder = EngineProcess(config)
+    decoder = HierarchicalDecoder(config)
     ready = time.perf_counter() - start
-    say(f"== {name}: loaded and warmed up in {ready:.1f} s (an engine process, as `hsmc serve` runs it)", log)
-    vocab = decoder.vocab_size
+    say(f"== {name}: loaded and warmed up in {ready:.1f} s; rows {decoder.stack.max_rows}, KV slots "
+        f"{decoder.stack.capacity}", log)  # fmt: skip
+    auto = load_config({"levels": levels, "engine": {"device": "cuda"}})
+    modules = [runner.module for runner in decoder.stack.runners]
+    rows = with_rows(auto, modules, free_memory(torch.device("cuda")) + decoder_kv_bytes(decoder))
+    say(f"{name}: engine.max_batch_rows: auto would give {rows.engine.max_batch_rows} rows on this GPU", log)
+    vocab = modules[-1].config.vocab_size
     prompt = [(7919 * i) % vocab for i in range(128)]
     one = SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=1)
     after = [timed_generate(decoder, [prompt], one)[0] for _ in range(20)]
     ratio = max(after) / statistics.median(after)
+    say(f"{name}: after warmup: {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved by torch, peak allocated "
+        f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", log)  # fmt: skip
     say(f"{name}: 20 identical requests after it: median {statistics.median(after):.3f} s, "
         f"max {max(after):.3f} s, max/median {ratio:.3f} (target <= 1.15)", log)  # fmt: skip
     prompts = [[(7919 * (i + 1) + 31 * j) % vocab for j in range(128)] for i in range(CLIENTS)]
@@ -189,7 +183,7 @@ def bench(name: str, new_tokens: int, log: list[str]) -> dict:
     for a, b in zip(inproc, http_tokens):
         if a.token_ids != b:  # where a differing output first departs (bf16 numerics of another batching)
             at = next((i for i, (x, y) in enumerate(zip(a.token_ids, b)) if x != y), min(len(a.token_ids), len(b)))
-            say(f"{name}: an HTTP output departs from the direct one at token {at} of {len(a.token_ids)}", log)
+            say(f"{name}: an HTTP output departs from the in-process one at token {at} of {len(a.token_ids)}", log)
     row = {
         "load_and_warmup_s": ready,
         "after_warmup_s": after,
@@ -203,10 +197,10 @@ def bench(name: str, new_tokens: int, log: list[str]) -> dict:
         "slots_in_use_after": decoder.kv_slots_in_use(),
         "levels": inproc[0].levels,
     }
-    say(f"{name}: {CLIENTS} requests x {new_tokens} tokens: direct {row['inprocess_tok_s']:.1f} tok/s, HTTP "
-        f"{row['http_tok_s']:.1f} tok/s ({row['http_over_inprocess']:.2f}x, target >= 0.9); TTFT p50/p99 direct "
+    say(f"{name}: {CLIENTS} requests x {new_tokens} tokens: in-process {row['inprocess_tok_s']:.1f} tok/s, HTTP "
+        f"{row['http_tok_s']:.1f} tok/s ({row['http_over_inprocess']:.2f}x, target >= 0.9); TTFT p50/p99 in-process "
         f"{row['ttft_inprocess_p50_p99'][0]:.3f}/{row['ttft_inprocess_p50_p99'][1]:.3f} s, HTTP "
-        f"{row['ttft_http_p50_p99'][0]:.3f}/{row['ttft_http_p50_p99'][1]:.3f} s; HTTP outputs equal direct "
+        f"{row['ttft_http_p50_p99'][0]:.3f}/{row['ttft_http_p50_p99'][1]:.3f} s; HTTP outputs equal in-process "
         f"{row['http_equal_inprocess']}; KV slots in use after {row['slots_in_use_after']}", log)  # fmt: skip
     decoder.close()
     return row
@@ -214,6 +208,11 @@ def bench(name: str, new_tokens: int, log: list[str]) -> dict:
 
 def tokens_of(params: list[SamplingParams]) -> int:
     return sum(p.max_tokens for p in params)
+
+
+def decoder_kv_bytes(decoder: HierarchicalDecoder) -> int:
+    """Bytes the decoder's KV caches hold (free again were it built with other rows)."""
+    return sum(r.cache.data.numel() * r.cache.data.element_size() for r in decoder.stack.runners)
 
 
 def main() -> None:
@@ -228,10 +227,8 @@ def main() -> None:
     if args.one:
         (out / f"{args.one}.json").write_text(json.dumps(bench(args.one, args.new_tokens, []), indent=1))
         return
-    device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
-    say(f"device: {device}", log)
-    results = {"device": device}
+    say(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}", log)
+    results = {"device": torch.cuda.get_device_name()}
     for name in args.stacks.split(","):  # each stack in a process of its own: its GPU memory is all free after
         one = out / f"{name}.json"
         command = [sys.executable, __file__, "--one", name, "--out", str(out), "--new-tokens", str(args.new_tokens)]

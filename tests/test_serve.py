@@ -164,53 +164,6 @@ def test_serve_help_imports_neither_torch_nor_fastapi():
     assert "--shutdown-timeout" in run.stdout and "--max-queue" in run.stdout
 
 
-ENGINE_PROCESS_SCRIPT = """
-import json, sys, threading, time
-from hsmc.config import load_config
-from hsmc.errors import RequestError
-from hsmc.requests import SamplingParams
-from hsmc.serve.engine_process import EngineProcess
-
-engine = EngineProcess(load_config(sys.argv[1]))
-front_end_torch = "torch" in sys.modules
-try:
-    engine.driver.submit([[1, 2]], [SamplingParams(max_tokens=4, particles=2)], print, indices=[0])
-    refused = None
-except RequestError as e:
-    refused = e.field
-got, done = [], threading.Event()
-
-def sink(increment):
-    got.append(increment)
-    if increment.result is not None or increment.error is not None:
-        done.set()
-
-engine.driver.submit([[1, 2, 3]], [SamplingParams(max_tokens=6, seed=5, ignore_eos=True)], sink, indices=[0])
-assert done.wait(120)
-deadline = time.monotonic() + 20
-while True:  # the driver lets go of a row once it has read the launch after the request's end
-    slots = engine.kv_slots_in_use()
-    if engine.driver.running_rows == 0 or time.monotonic() > deadline:
-        break
-    time.sleep(0.02)
-print(json.dumps({"torch": front_end_torch, "refused": refused, "ids": got[-1].result.token_ids,
-                  "slots": slots, "rows": engine.driver.running_rows}))
-engine.close()
-"""
-
-
-def test_the_engine_process_serves_what_the_decoder_does_and_keeps_torch_out_of_the_front_end(configs, decoders):
-    """`hsmc serve`'s decoder runs in a child process: a refused request raises the driver's RequestError with its
-    field, a seeded one decodes what `generate` gives, the counts come back, and the front end never imports torch
-    (the GIL it keeps for the HTTP work is its own)."""
-    run = subprocess.run([sys.executable, "-c", ENGINE_PROCESS_SCRIPT, str(configs["rejection"])],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.splitlines()[-1])
-    want = decoders["rejection"].generate([[1, 2, 3]], params=SamplingParams(max_tokens=6, seed=5, ignore_eos=True))
-    assert out == {"torch": False, "refused": "particles", "ids": want[0].token_ids, "slots": 0, "rows": 0}
-
-
 def test_serve_with_a_config_that_cannot_load_exits_2_naming_the_level(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(json.dumps({"levels": [{"kind": "model", "model": str(tmp_path / "missing")}]}))

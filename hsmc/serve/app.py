@@ -33,8 +33,7 @@ DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that i
 
 
 def create_app(decoder: Any, served_model_name: str, max_queue: int) -> FastAPI:
-    """The app for `decoder` (a `HierarchicalDecoder`, or an `EngineProcess` holding one), answering to
-    `served_model_name`; a request whose choices
+    """The app for `decoder` (a `HierarchicalDecoder`), answering to `served_model_name`; a request whose choices
     would take the driver's queue (submitted, not admitted yet) past `max_queue` gets a 429."""
     service = _Service(decoder, served_model_name, max_queue)
     app = FastAPI(title="hsmc", version=__version__)
@@ -59,7 +58,7 @@ def create_app(decoder: Any, served_model_name: str, max_queue: int) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        slots = await asyncio.to_thread(decoder.kv_slots_in_use)  # (an engine process: also refreshes the counts)
+        slots = await asyncio.to_thread(decoder.kv_slots_in_use)  # a read of the device: off the event loop
         driver = service.driver
         return {
             "status": "ok",
@@ -111,7 +110,7 @@ class _Service:
                 headers={"Retry-After": "1"},
             )  # fmt: skip
         try:
-            submission = await asyncio.to_thread(Submission, self.driver, self.mailbox, choices, params)
+            submission = Submission(self.driver, self.mailbox, choices, params)
         except RequestError as e:
             raise from_request_error(e, body.token_limit[0]) from None
         prompt_tokens = sum(map(len, prompts))

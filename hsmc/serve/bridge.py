@@ -7,13 +7,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from hsmc.engine.driver import RequestDriver
 from hsmc.requests import Increment, SamplingParams
-
-if TYPE_CHECKING:  # the app's process need not import torch: its decoder may live in an engine process
-    from hsmc.engine.driver import RequestDriver
-    from hsmc.serve.engine_process import EngineProcess
 
 
 class Mailbox:
@@ -45,11 +41,7 @@ class Submission:
     """Submits the choices (increment index k = choice k) and tracks which have not ended yet."""
 
     def __init__(
-        self,
-        driver: RequestDriver | EngineProcess,
-        mailbox: Mailbox,
-        prompts: Sequence[list[int]],
-        params: Sequence[SamplingParams],
+        self, driver: RequestDriver, mailbox: Mailbox, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
     ) -> None:
         """Raises the driver's RequestError, with nothing queued, when a choice cannot be served."""
         queue: asyncio.Queue[Increment] = asyncio.Queue()

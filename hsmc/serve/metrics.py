@@ -7,10 +7,9 @@ are recorded as requests end.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from hsmc.engine.driver import RequestDriver
 from hsmc.requests import Result
 
 OUTCOMES = ("ok", "error", "cancelled", "rejected")
@@ -68,8 +67,7 @@ class ServerMetrics:
             if "mean_ess_fraction" in level:
                 self.ess_fraction.labels(str(i)).observe(level["mean_ess_fraction"])
 
-    def render(self, driver: Any) -> bytes:
-        """`driver`: a RequestDriver, or an EngineProcess standing for one."""
+    def render(self, driver: RequestDriver) -> bytes:
         self.queue_depth.set(driver.queue_depth)
         self.running_rows.set(driver.running_rows)
         return generate_latest(self.registry)

@@ -22,7 +22,6 @@ class _Server(uvicorn.Server):
     """uvicorn's server; its shutdown stops the decoder (finish, then cancel) before the connections are drained."""
 
     def __init__(self, config: uvicorn.Config, decoder: Any, timeout: float) -> None:
-        """`decoder`: a warmed-up `HierarchicalDecoder` or `EngineProcess`."""
         super().__init__(config)
         self.decoder, self.timeout = decoder, timeout
 
@@ -35,7 +34,8 @@ class _Server(uvicorn.Server):
 
 
 def serve(decoder: Any, served_model_name: str, host: str, port: int, max_queue: int, shutdown_timeout: float) -> None:
-    """Serve `decoder` (warmed up: `engine.warmup`) on host:port until SIGTERM or Ctrl-C."""
+    """Serve `decoder` on host:port until SIGTERM or Ctrl-C."""
+    decoder.warmup(progress=True)
     app = create_app(decoder, served_model_name, max_queue)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=DRAIN_SECONDS, log_level="info")
     server = _Server(config, decoder, shutdown_timeout)
