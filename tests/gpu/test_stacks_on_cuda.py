@@ -92,19 +92,20 @@ def test_seeded_request_is_the_same_graphed_eager_alone_and_amid_others(stacks, 
 
 
 def test_after_warmup_no_cycle_runs_without_a_graph_whatever_the_acceptance_law(stacks, monkeypatch):
-    """Issue 29 §4 on the device: after `warmup()` of [EAGLE3 head, rejection, smc] with a block fill, requests whose
-    acceptance laws plan every R a block may take replay every cycle (none runs eagerly, none captures: no sync),
-    and their tokens are those of the same requests on an eager decoder. Prints the warmup's time and captures."""
+    """Issue 29 §4 on the device: after `warmup()` of [EAGLE3 head, rejection, smc] with a block fill, one request and
+    a full batch (8 rows: 2 requests of 4 particles) whose acceptance laws plan every R a block may take replay every
+    cycle (none runs eagerly, none captures: no sync), and their tokens are those of the same requests on an eager
+    decoder. Prints the warmup's time and captures."""
     from hsmc.levels.block_fill import geometric_yield_law
 
-    graphed = decoder(stacks["hierarchical"], "cuda")
+    graphed = decoder(stacks["hierarchical"], "cuda", max_batch_rows=8)
     began = time.perf_counter()
     graphed.warmup(progress=False)
     seconds = time.perf_counter() - began
     units = graphed.stack.scope.units
     print(f"warmup {seconds:.1f} s, {sum(len(u.captured) for u in units)} graphs ({len(units)} units)")
     top, fill = graphed.stack.top, graphed.stack.levels[1].fill
-    eager = decoder(stacks["hierarchical"], "cuda", cuda_graphs=False)
+    eager = decoder(stacks["hierarchical"], "cuda", cuda_graphs=False, max_batch_rows=8)
     for d in (graphed, eager):  # the law stays what is set below
         monkeypatch.setattr(d.stack.levels[1].fill, "observe", lambda values: None)
     params = [SamplingParams(seed=s, max_tokens=20, ignore_eos=True) for s in (5, 6)]
