@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from hsmc import __version__
 from hsmc.errors import RequestCancelled, RequestError
 from hsmc.requests import Result
-from hsmc.serve.bridge import Mailbox, Submission
+from hsmc.serve.bridge import Submission
 from hsmc.serve.errors import ApiError, bad_request, from_request_error, install_handlers
 from hsmc.serve.inputs import chat_prompt, choice_params, completion_prompts
 from hsmc.serve.metrics import ServerMetrics
@@ -81,14 +81,6 @@ class _Service:
         self.vocab = decoder.vocab_size
         self.created = int(time.time())
         self.metrics = ServerMetrics()
-        self._mailbox: Mailbox | None = None
-
-    @property
-    def mailbox(self) -> Mailbox:
-        """The mailbox of the event loop serving the requests (made on the first one: the loop runs by then)."""
-        if self._mailbox is None:
-            self._mailbox = Mailbox(asyncio.get_running_loop())
-        return self._mailbox
 
     def check_model(self, body: SamplingRequest) -> None:
         if body.model != self.name:
@@ -110,7 +102,7 @@ class _Service:
                 headers={"Retry-After": "1"},
             )  # fmt: skip
         try:
-            submission = Submission(self.driver, self.mailbox, choices, params)
+            submission = Submission(self.driver, choices, params)
         except RequestError as e:
             raise from_request_error(e, body.token_limit[0]) from None
         prompt_tokens = sum(map(len, prompts))
@@ -170,26 +162,18 @@ class _Service:
                 yield sse(opening)
         results, failure = [], None
         while submission.open and failure is None:
-            # what arrived while this stream waited goes out as one chunk per choice: a loop that lags behind the
-            # decode thread catches up in fewer, larger events instead of falling further behind
-            texts: dict[int, tuple[str, list[int]]] = {}
-            for increment in [await submission.next(), *submission.ready()]:
-                if increment.error is not None:
-                    submission.cancel()
-                    failure = _failure(increment.error)
-                    break
-                if increment.token_ids:
-                    text, ids = texts.get(increment.index, ("", []))
-                    texts[increment.index] = (text + increment.text, ids + increment.token_ids)
-                result = increment.result
-                if result is not None:
-                    if increment.index in texts:
-                        yield sse(fmt.text(increment.index, *texts.pop(increment.index)))
-                    self.metrics.finished(result)
-                    results.append(result)
-                    yield sse(fmt.closing(increment.index, result.finish_reason, extension(result, return_particles)))
-            for index, (text, ids) in texts.items():
-                yield sse(fmt.text(index, text, ids))
+            increment = await submission.next()
+            if increment.error is not None:
+                submission.cancel()
+                failure = _failure(increment.error)
+                continue
+            if increment.token_ids:
+                yield sse(fmt.text(increment.index, increment.text, increment.token_ids))
+            result = increment.result
+            if result is not None:
+                self.metrics.finished(result)
+                results.append(result)
+                yield sse(fmt.closing(increment.index, result.finish_reason, extension(result, return_particles)))
         if failure is not None:
             self.metrics.requests_by(failure.outcome)
             yield sse(failure.body())
