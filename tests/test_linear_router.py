@@ -31,7 +31,7 @@ from hsmc.ops.kernel_tuning import (  # noqa: E402
 from hsmc.ops.linear_router import Kernel, LinearRouter, Route  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3"
-MEASURED_WITH = Versions("2.11.0+cu130", "13.0", None)
+MEASURED_WITH = Versions("2.11.0+cu130", "13.0", "13.1.0")
 CUDA = torch.device("cuda", 0)
 SCHEMA_KEYS = {
     "schema_version",
@@ -65,37 +65,48 @@ def route(router: LinearRouter, rows: int, linear: nn.Module, **kw) -> Route:
     return router.plan(torch.Size((rows, linear.in_features)), linear, kw.pop("dtype", torch.bfloat16), **kw)
 
 
-def test_h100_file_routes_dense_linears(monkeypatch):
+# A tuning with one entry of each kind (values from an H100 sweep), so the routing rules are checked apart from what
+# any packaged file happens to hold
+TUNED = KernelTuning(
+    H100,
+    (9, 0),
+    MEASURED_WITH,
+    "test",
+    few_row_plans={
+        (6144, 4096, 16): FewRowPlan(32, 128, 1, 2, 6),
+        (6144, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
+    },
+    cublaslt_gemms=frozenset({(5120, 8192, 72), (4096, 12288, 144)}),
+    padded_rows={(51200, 5120, 72): 88},
+    fp8_weight_only_max_rows=256,
+    fp8_block_scaled=BlockScaledRows(144, 16),
+)
+
+
+def test_tuning_routes_dense_linears(monkeypatch):
     """One row: the one-row kernel; 2..16: the few-row kernel with the file's plan for the shape (else the default);
-    17..32: the few-row kernel only where the file has a 32-row plan; more: the GEMM, in cuBLASLt where listed."""
+    17..32: the few-row kernel only where the file has a 32-row plan; more: the GEMM, in cuBLASLt where listed, on
+    the rows the file pads a norm-fed GEMM to."""
     monkeypatch.setattr(split_k, "multiprocessors", lambda device: 132)
-    router = LinearRouter(packaged(H100), CUDA)
-    qkv_8b, o_32b, down_8b = dense(6144, 4096), dense(5120, 8192), dense(4096, 12288)
+    router = LinearRouter(TUNED, CUDA)
+    qkv_8b, o_32b, down_8b, gate_up = dense(6144, 4096), dense(5120, 8192), dense(4096, 12288), dense(51200, 5120)
     assert route(router, 1, qkv_8b) == Route(Kernel.ONE_ROW, 1)
     assert route(router, 8, qkv_8b) == Route(Kernel.FEW_ROWS, 8, few_row_plan=FewRowPlan(32, 128, 1, 2, 6))
     assert route(router, 24, qkv_8b) == Route(Kernel.FEW_ROWS, 24, few_row_plan=FewRowPlan(64, 128, 1, 4, 6))
     assert route(router, 8, o_32b) == Route(Kernel.FEW_ROWS, 8, few_row_plan=FewRowPlan(32, 256, 1))  # default
-    assert route(router, 24, o_32b) == Route(Kernel.BLAS, 24)  # no 32-row plan for the 32B
+    assert route(router, 24, o_32b) == Route(Kernel.BLAS, 24)  # no 32-row plan
     assert route(router, 72, o_32b) == Route(Kernel.BLAS, 72, cublaslt=True)
     assert route(router, 73, o_32b) == Route(Kernel.BLAS, 73)
     assert route(router, 144, down_8b) == Route(Kernel.BLAS, 144, cublaslt=True)
-    assert route(router, 72, dense(51200, 5120), norm_fed=True) == Route(Kernel.BLAS, 72)  # padding: H200 only
-
-
-def test_h200_file_pads_norm_fed_gemms_only():
-    router = LinearRouter(packaged("NVIDIA H200"), CUDA)
-    gate_up = dense(51200, 5120)
     assert route(router, 72, gate_up, norm_fed=True) == Route(Kernel.BLAS, 88)
-    assert route(router, 1152, gate_up, norm_fed=True) == Route(Kernel.BLAS, 1160)
     assert route(router, 72, gate_up) == Route(Kernel.BLAS, 72)  # no norm to write the extra rows
-    assert route(router, 72, dense(5120, 8192)) == Route(Kernel.BLAS, 72, cublaslt=True)
 
 
-def test_h100_file_routes_fp8_linears():
+def test_tuning_routes_fp8_linears():
     """FP8 weights: one row weight-only in the one-row kernel; with FP8 activations the Triton GEMM on few rows and
-    cuBLASLt's block-scaled GEMM from the file's 144 rows, padded to its row multiple, where the weight's layout
+    cuBLASLt's block-scaled GEMM from the tuning's 144 rows, padded to its row multiple, where the weight's layout
     allows it (128x128 blocks, K/128 a multiple of 4, bf16); weight-only the Triton GEMM up to 256 rows."""
-    router = LinearRouter(packaged(H100), CUDA)
+    router = LinearRouter(TUNED, CUDA)
     qkv = fp8(10240, 5120, dynamic=True)
     assert route(router, 1, qkv) == Route(Kernel.ONE_ROW, 1)
     assert route(router, 16, qkv) == Route(Kernel.FP8_ACT_TRITON, 16)
@@ -112,6 +123,25 @@ def test_h100_file_routes_fp8_linears():
     assert route(router, 1, fp8(10240, 5120, False, (4, 128))) == Route(Kernel.FP8_TRITON, 1)  # tiles > block
 
 
+@pytest.mark.parametrize("name", [H100, "NVIDIA H200"])
+def test_packaged_file_routes_as_its_entries_say(name, monkeypatch):
+    """Whatever a packaged file holds, the router follows it: its few-row plans, cuBLASLt GEMMs, padded rows and the
+    block-scaled FP8 threshold."""
+    monkeypatch.setattr(split_k, "multiprocessors", lambda device: 132)
+    tuning = packaged(name)
+    router = LinearRouter(tuning, CUDA)
+    for (n, k, tile), plan in tuning.few_row_plans.items():
+        assert route(router, tile, dense(n, k)) == Route(Kernel.FEW_ROWS, tile, few_row_plan=plan)
+    for n, k, rows in tuning.cublaslt_gemms:
+        assert route(router, rows, dense(n, k)).cublaslt
+    for (n, k, rows), run in tuning.padded_rows.items():
+        assert route(router, rows, dense(n, k), norm_fed=True).run_rows == run
+    if tuning.fp8_block_scaled is not None:
+        least, multiple = tuning.fp8_block_scaled.min_rows, tuning.fp8_block_scaled.row_multiple
+        qkv = fp8(10240, 5120, dynamic=True)
+        assert route(router, least, qkv) == Route(Kernel.FP8_ACT_CUBLASLT, -(-least // multiple) * multiple)
+
+
 def test_cpu_runs_fp8_on_the_reference_and_routes_are_cached():
     router = LinearRouter(DEFAULTS, torch.device("cpu"))
     assert route(router, 3, fp8(256, 512, dynamic=True)) == Route(Kernel.FP8_ACT_REFERENCE, 3)
@@ -125,11 +155,10 @@ def test_another_gpu_or_version_falls_back_to_the_defaults_with_one_log_line(cap
     assert select_tuning(H100, (9, 0), MEASURED_WITH, files).source.endswith(
         "nvidia-h100-80gb-hbm3-torch-2.11.0+cu130.json"
     )
-    assert select_tuning(H100, (9, 0), Versions("2.11.0+cu130", "13.0", "13.1.0"), files).device_name == H100
     with caplog.at_level(logging.WARNING, logger="hsmc.ops.kernel_tuning"):
         for _ in range(3):
             assert select_tuning("NVIDIA H100 PCIe", (9, 0), MEASURED_WITH, files) is DEFAULTS
-            assert select_tuning(H100, (9, 0), Versions("2.12.0+cu130", "13.0", None), files) is DEFAULTS
+            assert select_tuning(H100, (9, 0), Versions("2.12.0+cu130", "13.0", "13.1.0"), files) is DEFAULTS
             assert select_tuning(H100, (9, 0), Versions("2.11.0+cu130", "13.0", "13.1.0"), [
                 KernelTuning(H100, (9, 0), Versions("2.11.0+cu130", "13.0", "13.0.2"), "", source="x.json")
             ]) is DEFAULTS  # fmt: skip
@@ -149,7 +178,7 @@ def test_packaged_files_parse_match_the_schema_and_round_trip(tmp_path):
         assert set(raw) == SCHEMA_KEYS, file.name
         tuning = KernelTuning.from_json(raw, file.name)
         assert tuning.device_name in (H100, "NVIDIA H200") and tuning.capability == (9, 0)
-        assert tuning.versions == MEASURED_WITH and tuning.fp8_block_scaled == BlockScaledRows(144, 16)
+        assert tuning.versions.torch == MEASURED_WITH.torch and tuning.versions.cuda == MEASURED_WITH.cuda
         assert {tile for *_, tile in tuning.few_row_plans} == {16, 32} and tuning.cublaslt_gemms
         again = KernelTuning.from_json(json.loads(format_tuning(tuning, {})), file.name)
         assert again == tuning

@@ -5,6 +5,7 @@ it took at most `FASTER` of the default's time (the median of `triton.testing.do
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from datetime import date
@@ -14,6 +15,7 @@ import torch
 import triton
 from torch import nn
 from tqdm import tqdm
+from triton.runtime.errors import OutOfResources
 
 from hsmc.errors import HsmcError
 from hsmc.ops.few_row_linear import FewRowPlan, default_few_row_plan
@@ -133,7 +135,11 @@ def _inputs(rows: int, linear: nn.Module, norm: bool) -> dict:
 
 
 def _time(bench: _Bench, route: Route, linear: nn.Module, inputs: dict) -> float:
-    return bench.ms(lambda: run_route(route, linear=linear, **inputs))
+    """Milliseconds; infinite for a candidate this GPU cannot run (a few-row plan's stages beyond its shared memory)."""
+    try:
+        return bench.ms(lambda: run_route(route, linear=linear, **inputs))
+    except OutOfResources:
+        return math.inf
 
 
 def _few_row_plans(bench: _Bench, dense: dict[str, nn.Linear], device: torch.device) -> dict:
