@@ -161,3 +161,33 @@ def test_an_admission_beside_running_rows_keeps_the_pending_bounds_of_a_fresh_ba
     driver.quiesce()
     assert len(after_admissions) == 2 and len(states) == 2
     assert after_admissions[1] == after_admissions[0]
+
+
+def test_requests_arriving_together_at_an_idle_loop_are_admitted_in_one_wave(models, monkeypatch):
+    """Concurrent clients reach a server over a few milliseconds: an idle loop gathers them, so they share one
+    prefill and one cycle phase (each well within the gap after the last: all in one `admit`); a request after the
+    quiet gap is admitted on its own. The gap is widened here so a loaded CI machine's scheduling cannot split it."""
+    from hsmc.engine import driver as driver_module
+
+    monkeypatch.setattr(driver_module, "BURST_GAP_SECONDS", 0.2)
+    monkeypatch.setattr(driver_module, "BURST_WINDOW_SECONDS", 2.0)
+    decoder = HierarchicalDecoder.from_config({"levels": STACKS["smc"](*models)})
+    driver, sink = decoder.driver, Collector()
+    waves: list[int] = []
+    admit = driver.top.admit
+
+    def counting_admit(groups, *args):
+        waves.append(len(groups))
+        return admit(groups, *args)
+
+    driver.top.admit = counting_admit
+    params = SamplingParams(max_tokens=4, ignore_eos=True, seed=5)
+    for i in range(5):  # 15 of the 16 rows
+        driver.submit([[3 + i, 4]], [params], sink, indices=[i])
+        time.sleep(0.01)
+    sink.finals(5)
+    driver.submit([[9, 9]], [params], sink, indices=[5])
+    sink.finals(1)
+    driver.quiesce()
+    assert waves == [5, 1], waves
+    assert_pools_empty(decoder)
