@@ -26,6 +26,7 @@ from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.smc import SMCLevel, SMCParams
 from hsmc.models.loading import LoadedModel, load_model
+from hsmc.models.parallel import SINGLE, TensorParallel
 from hsmc.models.shapes import SHAPES, random_loaded, random_shape
 from hsmc.ops.backend import Backend, TorchBackend
 from hsmc.ops.fp8_linear import Fp8Linear
@@ -101,7 +102,9 @@ def _set_fp8_activations(modules: list[nn.Module], dynamic: bool) -> None:
         linear.dynamic_activations = dynamic
 
 
-def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -> Stack:
+def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, tp: TensorParallel = SINGLE) -> Stack:
+    """The levels of `cfg`; `tp`: the tensor-parallel rank whose shard of every model this process holds (an
+    EAGLE3 head stays whole on every rank)."""
     device = torch.device(cfg.engine.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"engine.device={cfg.engine.device!r} but no CUDA device is available")
@@ -116,9 +119,9 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
         if key not in loaded:
             shape = random_shape(lc.model)
             if shape is not None:
-                loaded[key] = random_loaded(shape, lc.dtype, device, lc.num_layers)
+                loaded[key] = random_loaded(shape, lc.dtype, device, lc.num_layers, tp)
             else:
-                loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers)
+                loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers, tp)
         return loaded[key]
 
     def tables() -> BlockTables:

@@ -1,0 +1,121 @@
+"""The processes of a tensor-parallel stack (`engine.tensor_parallel: N`): rank 0 and its followers.
+
+SPMD, as in gpt-fast: every rank builds the same stack (its shard of every model) and runs the same request driver.
+Rank 0 is the user's process: it owns the requests and the host side, and once per driver turn broadcasts that
+turn's control inputs (the requests it took, with their resolved parameters and seeds; cancellations; the stack's
+graph mode) over a gloo group (`Ranks.broadcast`). Followers apply them and run the same turn; everything after
+that is identical on every rank by construction (the all-reduced activations and all-gathered logits are the same
+bits everywhere, and every draw comes from the rows' seeded streams), so no device result is ever sent between
+ranks and followers drop their outputs. Ranks are spawned here (`start_ranks`), or come from `torchrun`'s
+environment. The device collectives run on the default group: NCCL on CUDA, gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hsmc.errors import ConfigError, HsmcError
+from hsmc.models.parallel import TensorParallel
+
+STARTUP_TIMEOUT = timedelta(minutes=30)  # loading a 32B shard from a cold disk
+IDLE_TIMEOUT = timedelta(days=365)  # followers wait on the control group as long as rank 0 has no request
+
+
+@dataclass
+class Ranks:
+    """This process's rank in a running tensor-parallel group, and the group's control channel."""
+
+    tp: TensorParallel
+    control: Any  # the gloo group rank 0 broadcasts control inputs on
+    followers: list[BaseProcess] = field(default_factory=list)  # the processes rank 0 spawned
+
+    @property
+    def leader(self) -> bool:
+        return self.tp.rank == 0
+
+    def broadcast(self, message: Any = None) -> Any:
+        """Rank 0's `message` on every rank (followers pass nothing and wait for it)."""
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def check(self, error: str | None) -> None:
+        """Every rank reports how its start went; the first failure is raised on every rank."""
+        errors: list[str | None] = [None] * self.tp.world_size
+        dist.all_gather_object(errors, error, group=self.control)
+        for rank, e in enumerate(errors):
+            if e is not None:
+                raise HsmcError(f"tensor-parallel rank {rank}: {e}")
+
+    def close(self) -> None:
+        """Leave the group (rank 0 first tells the followers to stop: `broadcast(None)`) and wait for spawned
+        followers."""
+        if self.leader:
+            self.broadcast(None)
+        for p in self.followers:
+            p.join()
+        dist.destroy_process_group()
+
+
+def check_world(world_size: int, device: str) -> None:
+    """One-line errors for a tensor_parallel the machine cannot run."""
+    if world_size < 1:
+        raise ConfigError(f"engine.tensor_parallel={world_size} must be >= 1")
+    if device.startswith("cuda") and world_size > torch.cuda.device_count():
+        raise ConfigError(
+            f"engine.tensor_parallel={world_size} but {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+
+
+def start_ranks(world_size: int, device: str, follow: Callable[..., None], args: tuple[Any, ...]) -> Ranks:
+    """Join (under torchrun) or start the group of `world_size` ranks on `device`'s type; this process is rank 0
+    unless torchrun says otherwise. Spawned followers run `follow(rank, world_size, init_method, *args)`."""
+    check_world(world_size, device)
+    if dist.is_initialized():
+        raise HsmcError("a tensor-parallel decoder is already running in this process: close() it first")
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise ConfigError(
+                f"engine.tensor_parallel={world_size} but torchrun started {os.environ['WORLD_SIZE']} processes"
+            )
+        return join(int(os.environ["RANK"]), world_size, "env://", device)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = mp.get_context("spawn")
+    followers = [
+        context.Process(target=follow, args=(rank, world_size, init_method, *args), daemon=True)
+        for rank in range(1, world_size)
+    ]
+    for p in followers:
+        p.start()
+    ranks = join(0, world_size, init_method, device)
+    ranks.followers = followers
+    return ranks
+
+
+def join(rank: int, world_size: int, init_method: str, device: str) -> Ranks:
+    """Enter the group as `rank`: the default group carries the device collectives (NCCL on CUDA, each rank on its
+    own GPU; gloo on the CPU), a gloo group the control broadcasts."""
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return Ranks(TensorParallel(rank, world_size), control)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,115 @@
+"""Tensor parallelism on the CPU (gloo): shards load as slices of the checkpoint, a sharded forward gives the
+logits of the whole model, and every stack kind decodes through `HierarchicalDecoder` as at TP=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import make_tiny_model
+from helpers import make_runner, run_new_tokens
+from test_fp8 import QWEN_FP8_SHAPE, write_qwen_fp8_checkpoint
+
+from hsmc.config import load_config
+from hsmc.engine.ranks import _free_port, join
+from hsmc.errors import ConfigError, ModelLoadError
+from hsmc.models.loading import load_model
+from hsmc.models.parallel import TensorParallel
+from hsmc.ops.fp8_linear import Fp8Linear
+
+PROMPTS = [[3, 17, 5, 9, 40], [8], [60, 2, 33]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny random models of each architecture whose heads, KV heads and MLP split over 2 ranks (qwen2's one KV
+    head made 2), and a Qwen FP8 checkpoint of 128x128 blocks."""
+    root = tmp_path_factory.mktemp("tp")
+    folders = {
+        "llama": make_tiny_model("llama", root / "llama", seed=1),
+        "qwen2": make_tiny_model("qwen2", root / "qwen2", seed=2, num_key_value_heads=2),
+        "qwen3": make_tiny_model("qwen3", root / "qwen3", seed=3),
+    }
+    dense = make_tiny_model("qwen3", root / "dense", seed=4, **QWEN_FP8_SHAPE)
+    write_qwen_fp8_checkpoint(dense, root / "fp8")
+    folders["fp8"] = root / "fp8"
+    return {name: str(folder) for name, folder in folders.items()}
+
+
+def _logits(model) -> list[torch.Tensor]:
+    """Logits of PROMPTS, prefilled in one ragged forward and then one token decoded per row."""
+    runner = make_runner(model)
+    rows = list(range(len(PROMPTS)))
+    prefill, _ = run_new_tokens(runner, rows, PROMPTS)
+    decode, _ = run_new_tokens(runner, rows, [[7]] * len(PROMPTS))
+    return [torch.cat([p, d]) for p, d in zip(prefill, decode)]
+
+
+def _logits_rank(rank: int, init_method: str, folders: dict[str, str], out: str) -> None:
+    ranks = join(rank, 2, init_method, "cpu")
+    logits = {name: _logits(load_model(folder, tp=ranks.tp).model) for name, folder in folders.items()}
+    if rank == 0:
+        torch.save(logits, out)
+    else:
+        assert ranks.broadcast() is None  # rank 0's stop, as a following rank receives it
+    ranks.close()
+
+
+def test_sharded_forward_gives_the_whole_models_logits(tiny, tmp_path):
+    """Two gloo ranks, each loading its slices: the all-gathered logits of every architecture (an FP8 checkpoint
+    too) agree with the unsharded model's within float32 rounding, on both ranks alike."""
+    out = str(tmp_path / "logits.pt")
+    mp.spawn(_logits_rank, args=(f"tcp://127.0.0.1:{_free_port()}", tiny, out), nprocs=2)
+    sharded = torch.load(out)
+    for name, folder in tiny.items():
+        whole = _logits(load_model(folder).model)
+        for a, b in zip(sharded[name], whole):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_each_rank_reads_its_slices(tiny):
+    """Rank r's q/k/v, gate/up rows and o/down columns are the r-th halves of the checkpoint's, the vocabulary
+    split in ceil(V/2) rows with zero padding, norms whole; FP8 weights and their scales split block for block."""
+    for name in ("qwen2", "fp8"):
+        whole = load_model(tiny[name]).model
+        shards = [load_model(tiny[name], tp=TensorParallel(r, 2)).model for r in range(2)]
+        for key, value in whole.state_dict().items():
+            parts = [s.state_dict()[key] for s in shards]
+            module = key.rsplit(".", 2)[-2]
+            if module in ("embed_tokens", "lm_head"):
+                assert torch.equal(torch.cat(parts)[: value.shape[0]], value), key
+                assert not torch.cat(parts)[value.shape[0] :].any(), key
+            elif module in ("o_proj", "down_proj") and key.endswith(".bias"):
+                assert torch.equal(parts[0], value) and not parts[1].any(), key
+            elif module in ("o_proj", "down_proj"):
+                assert torch.equal(torch.cat(parts, 1), value), key
+            elif module.endswith("_proj"):
+                assert torch.equal(torch.cat(parts), value), key
+            else:
+                assert all(torch.equal(p, value) for p in parts), key
+        if name == "fp8":
+            assert isinstance(shards[1].model.layers[0].mlp.down_proj, Fp8Linear)
+
+
+def test_a_split_that_cuts_an_fp8_scale_block_names_the_matrix(tmp_path):
+    dense = make_tiny_model("qwen3", tmp_path / "dense", **{**QWEN_FP8_SHAPE, "intermediate_size": 384})
+    write_qwen_fp8_checkpoint(dense, tmp_path / "fp8")
+    cut = r"gate_proj has 384 output rows; engine\.tensor_parallel=2 gives each rank 192, which cuts its 128x128 FP8"
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\." + cut):
+        load_model(str(tmp_path / "fp8"), tp=TensorParallel(0, 2))
+
+
+def test_heads_that_do_not_split_are_one_line_errors(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="engine.tensor_parallel=3: .* has 4 attention heads, not divisible by 3$"):
+        load_model(tiny["llama"], tp=TensorParallel(0, 3))
+    with pytest.raises(ConfigError, match="engine.tensor_parallel=4: .* has 2 KV heads, not divisible by 4$"):
+        load_model(tiny["llama"], tp=TensorParallel(0, 4))
+    odd = make_tiny_model("llama", tmp_path / "odd", intermediate_size=97)
+    with pytest.raises(ConfigError, match="engine.tensor_parallel=2: .* has 97 intermediate_size, not divisible by 2$"):
+        load_model(str(odd), tp=TensorParallel(1, 2))
+
+
+def test_tensor_parallel_key_is_checked(tiny):
+    with pytest.raises(ConfigError, match=r"engine\.tensor_parallel=0 must be >= 1"):
+        load_config({"levels": [{"model": tiny["llama"]}], "engine": {"tensor_parallel": 0}})
