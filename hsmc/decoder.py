@@ -3,13 +3,15 @@
 It loads the level stack and submits prompts to the stack's request driver (`hsmc.engine.driver`), which decodes
 them with continuous batching on its own thread; `stream()` passes each request's output on as it settles and
 `generate()` collects the results. Other threads may submit to the same driver (`decoder.driver`) at the same time,
-as `hsmc serve` does.
+as `hsmc serve` does. With `engine.tensor_parallel: N` it starts N - 1 following processes that build the same
+stack on their shard and run the same driver turns (`hsmc.engine.ranks`); this process is rank 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import queue
 import sys
 import time
@@ -21,11 +23,13 @@ from omegaconf import DictConfig
 
 from hsmc.config import GenerationConfig, HsmcConfig, level_label, load_config, validate
 from hsmc.engine.driver import Defaults, RequestDriver
+from hsmc.engine.ranks import Ranks, join, start_ranks
 from hsmc.engine.scheduler import Admission
 from hsmc.engine.tops import StepTop
 from hsmc.errors import ConfigError, ModelLoadError
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
+from hsmc.models.parallel import SINGLE
 from hsmc.preflight import check_stop_strings, prompt_token_ids
 from hsmc.requests import Increment, Particle, Result, SamplingParams, SMCOutcome, derive_seed
 
@@ -44,18 +48,37 @@ class GenerationInterrupted(KeyboardInterrupt):
 
 
 class HierarchicalDecoder:
-    def __init__(self, config: HsmcConfig, models: dict[str, LoadedModel] | None = None) -> None:
+    def __init__(
+        self, config: HsmcConfig, models: dict[str, LoadedModel] | None = None, ranks: Ranks | None = None
+    ) -> None:
         """`models` supplies already-built models by the `model` string a level names (e.g. random weights
-        of a real shape for `hsmc bench`); every other level loads its model as usual."""
+        of a real shape for `hsmc bench`); every other level loads its model as usual. `ranks`: the
+        tensor-parallel group of a following rank (rank 0 starts it from `engine.tensor_parallel`)."""
         self.config = config
+        world = config.engine.tensor_parallel
+        if models and world > 1:
+            raise ConfigError(f"engine.tensor_parallel={world}: every rank builds its own shard, so models= is refused")
+        if ranks is None and world > 1:
+            ranks = start_ranks(world, config.engine.device, _follow, (config,))
+        self.ranks = ranks
+        error = None
         try:
-            self.stack = build_stack(config, models or {})
+            self.stack = build_stack(config, models or {}, ranks.tp if ranks is not None else SINGLE)
         except ModelLoadError as e:
-            raise type(e)(f"{self._levels_using(e.source)}: {e}", e.source) from None
+            error = type(e)(f"{self._levels_using(e.source)}: {e}", e.source)
+        except Exception as e:  # every rank must hear of it before any raises
+            error = e
+        if ranks is not None:
+            ranks.check(error)
+        if error is not None:
+            raise error from None
         self.tokenizer = self.stack.tokenizer
         self._driver: RequestDriver | None = None
         self._warm = False
-        if config.engine.warmup:
+        if ranks is not None and not ranks.leader and "WORLD_SIZE" in os.environ:  # a torchrun rank follows here
+            self.follow()
+            raise SystemExit(0)
+        if config.engine.warmup and (ranks is None or ranks.leader):
             self.warmup()
 
     @classmethod
@@ -75,9 +98,16 @@ class HierarchicalDecoder:
             admission = Admission(stack.max_rows, stack.capacity, stack.lookahead, stack.rows_per_prompt)
             eos, kinds = frozenset(stack.eos_token_ids), [c.kind for c in stack.configs]
             self._driver = RequestDriver(
-                top, admission, defaults, eos, self.tokenizer, kinds, stack.assign, stack.clear
-            )
+                top, admission, defaults, eos, self.tokenizer, kinds, stack.assign, stack.clear, self.ranks,
+                lambda: stack.mode,
+            )  # fmt: skip
         return self._driver
+
+    def follow(self) -> None:
+        """A following tensor-parallel rank's life: run rank 0's driver turns until it closes, then leave."""
+        assert self.ranks is not None and not self.ranks.leader
+        self.driver.follow(self.stack.set_mode)
+        self.ranks.close()
 
     @property
     def vocab_size(self) -> int:
@@ -145,9 +175,13 @@ class HierarchicalDecoder:
         gc.freeze()  # what exists now (models, graphs) stays out of later collections: no long pause mid-request
 
     def close(self, timeout: float = 0.0) -> None:
-        """Stop the request loop: running requests get `timeout` seconds to finish, then are cancelled."""
+        """Stop the request loop: running requests get `timeout` seconds to finish, then are cancelled. Under
+        tensor parallelism the following ranks stop too."""
         if self._driver is not None:
             self._driver.shutdown(timeout)
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def generate(
         self,
@@ -290,6 +324,11 @@ class HierarchicalDecoder:
         gen = dataclasses.replace(self.config.generation, **overrides)
         validate(dataclasses.replace(self.config, generation=gen), "generate()")
         return gen
+
+
+def _follow(rank: int, world_size: int, init_method: str, config: HsmcConfig) -> None:
+    """A spawned tensor-parallel rank (`hsmc.engine.ranks.start_ranks`)."""
+    HierarchicalDecoder(config, ranks=join(rank, world_size, init_method, config.engine.device)).follow()
 
 
 def _next(out: queue.SimpleQueue[Increment]) -> Increment:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_tiny_model
-from helpers import make_runner, run_new_tokens
+from conftest import TINY_CONFIGS, make_tiny_model
+from helpers import assert_pools_empty, make_runner, run_new_tokens
+from test_eagle_checkpoint import published_layout
 from test_fp8 import QWEN_FP8_SHAPE, write_qwen_fp8_checkpoint
+from test_stacks import SIZES
 
 from hsmc.config import load_config
+from hsmc.decoder import HierarchicalDecoder
 from hsmc.engine.ranks import _free_port, join
 from hsmc.errors import ConfigError, ModelLoadError
 from hsmc.models.loading import load_model
@@ -113,3 +116,60 @@ def test_heads_that_do_not_split_are_one_line_errors(tiny, tmp_path):
 def test_tensor_parallel_key_is_checked(tiny):
     with pytest.raises(ConfigError, match=r"engine\.tensor_parallel=0 must be >= 1"):
         load_config({"levels": [{"model": tiny["llama"]}], "engine": {"tensor_parallel": 0}})
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """Models of the three architectures sharing one vocabulary, and an EAGLE3 head for the llama one."""
+    root = tmp_path_factory.mktemp("tp_family")
+    vocab = TINY_CONFIGS["llama"]["vocab_size"]
+    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=(*SIZES, vocab, 40), scale=0.3)
+    return {
+        "llama": str(make_tiny_model("llama", root / "llama", seed=11)),
+        "qwen2": str(make_tiny_model("qwen2", root / "qwen2", seed=12, vocab_size=vocab, num_key_value_heads=2)),
+        "qwen3": str(make_tiny_model("qwen3", root / "qwen3", seed=13, vocab_size=vocab)),
+        "head": str(head),
+    }
+
+
+def _decode(family, spec: str, temperature: float, tensor_parallel: int, **smc) -> list:
+    """generate() of PROMPTS through a HierarchicalDecoder of the stack `spec` ("kind:model ...")."""
+    levels = []
+    for part in spec.split():
+        kind, _, name = part.partition(":")
+        levels.append({"kind": kind, "model": family[name or "head"], "temperature": temperature})
+        levels[-1].update({"rejection": {"num_draft_tokens": 3}, "smc": smc}.get(kind, {}))
+    engine = {"tensor_parallel": tensor_parallel, "kv_capacity_tokens": 1024, "max_batch_rows": 16}
+    decoder = HierarchicalDecoder(load_config({"levels": levels, "engine": engine}))
+    try:
+        results = decoder.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
+        assert_pools_empty(decoder)
+        return results
+    finally:
+        decoder.close()
+
+
+GREEDY = ["model:qwen3", "model:llama rejection:qwen2", "eagle3 rejection:llama"]
+
+
+@pytest.mark.parametrize("spec", GREEDY)
+def test_greedy_stacks_decode_as_at_tp1(family, spec):
+    """Two ranks (this process and a spawned one) decode every prompt token for token as one process does."""
+    whole = _decode(family, spec, 0.0, 1)
+    assert [r.token_ids for r in _decode(family, spec, 0.0, 2)] == [r.token_ids for r in whole]
+
+
+SMC = {"particles": 4, "block_size": 3, "ess_threshold": 0.9}
+
+
+@pytest.mark.parametrize("spec", ["model:llama smc:qwen3", "eagle3 rejection:llama smc:qwen2"])
+def test_smc_stacks_at_t1_give_tp1s_particles_and_weights(family, spec):
+    """Same seed, T = 1: the same particles (tokens and ends), the same resamplings and log weights within float32
+    rounding, whether the target, proposal and head run on one rank or two."""
+    whole, sharded = _decode(family, spec, 1.0, 1, **SMC), _decode(family, spec, 1.0, 2, **SMC)
+    assert sum(r.smc.resamplings for r in whole) > 0  # the resampling decisions are compared too
+    for a, b in zip(whole, sharded):
+        assert [p.token_ids for p in a.smc.particles] == [p.token_ids for p in b.smc.particles]
+        assert (a.smc.chosen, a.smc.resamplings) == (b.smc.chosen, b.smc.resamplings)
+        weights = [[p.log_weight for p in r.smc.particles] for r in (a, b)]
+        assert weights[0] == pytest.approx(weights[1], abs=1e-4)

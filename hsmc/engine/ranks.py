@@ -49,22 +49,30 @@ class Ranks:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
-    def check(self, error: str | None) -> None:
-        """Every rank reports how its start went; the first failure is raised on every rank."""
+    def check(self, error: BaseException | None) -> None:
+        """Every rank reports how its start went (`error`: its own failure); if one failed, every rank leaves the
+        group and raises: its own error, or the first failing rank's as an HsmcError."""
         errors: list[str | None] = [None] * self.tp.world_size
-        dist.all_gather_object(errors, error, group=self.control)
-        for rank, e in enumerate(errors):
-            if e is not None:
-                raise HsmcError(f"tensor-parallel rank {rank}: {e}")
+        dist.all_gather_object(errors, None if error is None else str(error), group=self.control)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        self._leave()
+        if error is not None:
+            raise error
+        raise HsmcError(f"tensor-parallel rank {failed[0][0]}: {failed[0][1]}")
 
     def close(self) -> None:
-        """Leave the group (rank 0 first tells the followers to stop: `broadcast(None)`) and wait for spawned
-        followers."""
+        """Leave the group; rank 0 first tells the followers to stop (`broadcast(None)`)."""
         if self.leader:
             self.broadcast(None)
+        self._leave()
+
+    def _leave(self) -> None:
+        """Destroy this process's groups and wait for the followers it spawned."""
+        dist.destroy_process_group()
         for p in self.followers:
             p.join()
-        dist.destroy_process_group()
 
 
 def check_world(world_size: int, device: str) -> None:

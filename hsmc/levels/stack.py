@@ -77,6 +77,18 @@ class Stack:
         self.top.laws.clear(rows)
 
     @property
+    def mode(self) -> tuple[str, int | None]:
+        """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
+        capturing and a forced block-fill plan (both set by the warmup); tensor-parallel ranks share it."""
+        fill = self.top.proposal.fill if self.is_smc else None
+        return self.scope.capturing, fill.forced if fill is not None else None
+
+    def set_mode(self, mode: tuple[str, int | None]) -> None:
+        self.scope.capturing, forced = mode  # type: ignore[assignment]
+        if self.is_smc and self.top.proposal.fill is not None:
+            self.top.proposal.fill.forced = forced
+
+    @property
     def lookahead(self) -> int:
         """Tokens a row may hold past its output before they are rejected or returned."""
         return lookahead_tokens(self.configs)
