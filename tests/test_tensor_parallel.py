@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import TINY_CONFIGS, make_tiny_model
 from helpers import assert_pools_empty, make_runner, run_new_tokens
 from test_eagle_checkpoint import published_layout
@@ -14,11 +13,12 @@ from test_stacks import SIZES
 
 from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.ranks import _free_port, join
+from hsmc.engine.ranks import check_world, join, start_ranks
 from hsmc.errors import ConfigError, ModelLoadError
 from hsmc.models.loading import load_model
 from hsmc.models.parallel import TensorParallel
 from hsmc.ops.fp8_linear import Fp8Linear
+from hsmc.preflight import check_before_loading
 
 PROMPTS = [[3, 17, 5, 9, 40], [8], [60, 2, 33]]
 
@@ -48,22 +48,26 @@ def _logits(model) -> list[torch.Tensor]:
     return [torch.cat([p, d]) for p, d in zip(prefill, decode)]
 
 
-def _logits_rank(rank: int, init_method: str, folders: dict[str, str], out: str) -> None:
-    ranks = join(rank, 2, init_method, "cpu")
-    logits = {name: _logits(load_model(folder, tp=ranks.tp).model) for name, folder in folders.items()}
-    if rank == 0:
-        torch.save(logits, out)
-    else:
-        assert ranks.broadcast() is None  # rank 0's stop, as a following rank receives it
+def _sharded_logits(ranks, folders: dict[str, str]) -> dict[str, list[torch.Tensor]]:
+    return {name: _logits(load_model(folder, tp=ranks.tp).model) for name, folder in folders.items()}
+
+
+def _logits_follower(rank: int, world_size: int, init_method: str, folders: dict[str, str]) -> None:
+    ranks = join(rank, world_size, init_method, "cpu")
+    _sharded_logits(ranks, folders)
+    assert ranks.broadcast() is None  # rank 0's stop, as a following rank receives it
     ranks.close()
 
 
-def test_sharded_forward_gives_the_whole_models_logits(tiny, tmp_path):
-    """Two gloo ranks, each loading its slices: the all-gathered logits of every architecture (an FP8 checkpoint
-    too) agree with the unsharded model's within float32 rounding, on both ranks alike."""
-    out = str(tmp_path / "logits.pt")
-    mp.spawn(_logits_rank, args=(f"tcp://127.0.0.1:{_free_port()}", tiny, out), nprocs=2)
-    sharded = torch.load(out)
+@pytest.mark.spawns
+def test_sharded_forward_gives_the_whole_models_logits(tiny):
+    """Two gloo ranks (this process and a spawned one), each loading its slices: the all-gathered logits of every
+    architecture (an FP8 checkpoint too) agree with the unsharded model's within float32 rounding."""
+    ranks = start_ranks(2, "cpu", _logits_follower, (tiny,))
+    try:
+        sharded = _sharded_logits(ranks, tiny)
+    finally:
+        ranks.close()
     for name, folder in tiny.items():
         whole = _logits(load_model(folder).model)
         for a, b in zip(sharded[name], whole):
@@ -114,8 +118,14 @@ def test_heads_that_do_not_split_are_one_line_errors(tiny, tmp_path):
 
 
 def test_tensor_parallel_key_is_checked(tiny):
-    with pytest.raises(ConfigError, match=r"engine\.tensor_parallel=0 must be >= 1"):
-        load_config({"levels": [{"model": tiny["llama"]}], "engine": {"tensor_parallel": 0}})
+    """Before any weight is read: N < 1, more ranks than GPUs, a level whose heads do not split."""
+    with pytest.raises(ConfigError, match=r"override 'engine.tensor_parallel=0': engine\.tensor_parallel=0 must be"):
+        load_config({"levels": [{"model": tiny["llama"]}]}, ["engine.tensor_parallel=0"])
+    with pytest.raises(ConfigError, match=r"^engine\.tensor_parallel=9 but \d+ CUDA device\(s\) are visible$"):
+        check_world(9, "cuda")
+    cfg = load_config({"levels": [{"model": tiny["llama"]}], "engine": {"tensor_parallel": 3}})
+    with pytest.raises(ConfigError, match=r"^levels\[0\] \(model\): engine\.tensor_parallel=3: .* 4 attention heads"):
+        check_before_loading(cfg, [[1, 2]])
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +162,7 @@ def _decode(family, spec: str, temperature: float, tensor_parallel: int, **smc) 
 GREEDY = ["model:qwen3", "model:llama rejection:qwen2", "eagle3 rejection:llama"]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("spec", GREEDY)
 def test_greedy_stacks_decode_as_at_tp1(family, spec):
     """Two ranks (this process and a spawned one) decode every prompt token for token as one process does."""
@@ -162,6 +173,7 @@ def test_greedy_stacks_decode_as_at_tp1(family, spec):
 SMC = {"particles": 4, "block_size": 3, "ess_threshold": 0.9}
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("spec", ["model:llama smc:qwen3", "eagle3 rejection:llama smc:qwen2"])
 def test_smc_stacks_at_t1_give_tp1s_particles_and_weights(family, spec):
     """Same seed, T = 1: the same particles (tokens and ends), the same resamplings and log weights within float32

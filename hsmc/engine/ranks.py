@@ -37,6 +37,7 @@ class Ranks:
 
     tp: TensorParallel
     control: Any  # the gloo group rank 0 broadcasts control inputs on
+    threads: int  # torch's CPU threads before joining (the ranks of a CPU group share the cores)
     followers: list[BaseProcess] = field(default_factory=list)  # the processes rank 0 spawned
 
     @property
@@ -71,6 +72,7 @@ class Ranks:
     def _leave(self) -> None:
         """Destroy this process's groups and wait for the followers it spawned."""
         dist.destroy_process_group()
+        torch.set_num_threads(self.threads)
         for p in self.followers:
             p.join()
 
@@ -112,15 +114,19 @@ def start_ranks(world_size: int, device: str, follow: Callable[..., None], args:
 
 def join(rank: int, world_size: int, init_method: str, device: str) -> Ranks:
     """Enter the group as `rank`: the default group carries the device collectives (NCCL on CUDA, each rank on its
-    own GPU; gloo on the CPU), a gloo group the control broadcasts."""
+    own GPU; gloo on the CPU, where each rank takes its share of torch's threads: ranks that each spin on all the
+    cores wait for one another's collectives about 10x longer), a gloo group the control broadcasts."""
     cuda = device.startswith("cuda")
+    threads = torch.get_num_threads()
     if cuda:
         torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, threads // world_size))
     dist.init_process_group(
         "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return Ranks(TensorParallel(rank, world_size), control)
+    return Ranks(TensorParallel(rank, world_size), control, threads)
 
 
 def _free_port() -> int:
