@@ -81,7 +81,7 @@ def estimated_sizes(cfg: HsmcConfig) -> tuple[HsmcConfig, int]:
     return cfg, stack_capacity(cfg, modules, free, f"estimated free after {total / GIB:.1f} GiB of weights")
 
 
-def _meta_module(level: LevelConfig, tensor_parallel: int) -> torch.nn.Module:
+def _meta_module(level: LevelConfig, tensor_parallel: int = 1) -> torch.nn.Module:
     """The level's model (or EAGLE3 head) on the meta device, with FP8 Linears where it will have them; a decoder
     as one of `tensor_parallel` ranks holds it (a head is whole on every rank)."""
     shape = random_shape(level.model)  # random weights of a named shape (for an eagle3 level: its verifier's)

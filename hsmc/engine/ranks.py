@@ -81,7 +81,7 @@ def check_world(world_size: int, device: str) -> None:
     """One-line errors for a tensor_parallel the machine cannot run."""
     if world_size < 1:
         raise ConfigError(f"engine.tensor_parallel={world_size} must be >= 1")
-    if device.startswith("cuda") and world_size > torch.cuda.device_count():
+    if device.startswith("cuda") and world_size > max(1, torch.cuda.device_count()):  # no GPU: build_stack says so
         raise ConfigError(
             f"engine.tensor_parallel={world_size} but {torch.cuda.device_count()} CUDA device(s) are visible"
         )
