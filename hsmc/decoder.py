@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import queue
 import sys
 import time
@@ -23,7 +22,7 @@ from omegaconf import DictConfig
 
 from hsmc.config import GenerationConfig, HsmcConfig, level_label, load_config, validate
 from hsmc.engine.driver import Defaults, RequestDriver
-from hsmc.engine.ranks import Ranks, join, start_ranks
+from hsmc.engine.ranks import POOL, Ranks, join
 from hsmc.engine.scheduler import Admission
 from hsmc.engine.tops import StepTop
 from hsmc.errors import ConfigError, ModelLoadError
@@ -59,7 +58,12 @@ class HierarchicalDecoder:
         if models and world > 1:
             raise ConfigError(f"engine.tensor_parallel={world}: every rank builds its own shard, so models= is refused")
         if ranks is None and world > 1:
-            ranks = start_ranks(world, config.engine.device, _follow, (config,))
+            ranks = POOL.lease(world, config.engine.device, _follow)
+            if not ranks.leader:  # a torchrun rank: it follows rank 0's decoders, then its process ends
+                follow_configs(ranks)
+                ranks.leave()
+                raise SystemExit(0)
+            ranks.broadcast(config)
         self.ranks = ranks
         error = None
         try:
@@ -69,15 +73,17 @@ class HierarchicalDecoder:
         except Exception as e:  # every rank must hear of it before any raises
             error = e
         if ranks is not None:
-            ranks.check(error)
+            try:
+                ranks.check(error)
+            except Exception:
+                if ranks.leader:
+                    POOL.give_back(ranks)
+                raise
         if error is not None:
             raise error from None
         self.tokenizer = self.stack.tokenizer
         self._driver: RequestDriver | None = None
         self._warm = False
-        if ranks is not None and not ranks.leader and "WORLD_SIZE" in os.environ:  # a torchrun rank follows here
-            self.follow()
-            raise SystemExit(0)
         if config.engine.warmup and (ranks is None or ranks.leader):
             self.warmup()
 
@@ -104,10 +110,8 @@ class HierarchicalDecoder:
         return self._driver
 
     def follow(self) -> None:
-        """A following tensor-parallel rank's life: run rank 0's driver turns until it closes, then leave."""
-        assert self.ranks is not None and not self.ranks.leader
+        """A following tensor-parallel rank: run rank 0's driver turns until its decoder closes."""
         self.driver.follow(self.stack.set_mode)
-        self.ranks.close()
 
     @property
     def vocab_size(self) -> int:
@@ -180,7 +184,8 @@ class HierarchicalDecoder:
         if self._driver is not None:
             self._driver.shutdown(timeout)
         if self.ranks is not None:
-            self.ranks.close()
+            self.ranks.broadcast(None)  # the followers' decoders stop; their processes wait for the next config
+            POOL.give_back(self.ranks)
             self.ranks = None
 
     def generate(
@@ -326,9 +331,24 @@ class HierarchicalDecoder:
         return gen
 
 
-def _follow(rank: int, world_size: int, init_method: str, config: HsmcConfig) -> None:
-    """A spawned tensor-parallel rank (`hsmc.engine.ranks.start_ranks`)."""
-    HierarchicalDecoder(config, ranks=join(rank, world_size, init_method, config.engine.device)).follow()
+def _follow(rank: int, world_size: int, init_method: str, device: str) -> None:
+    """A spawned tensor-parallel rank (`hsmc.engine.ranks.start_ranks`), until rank 0's process ends."""
+    ranks = join(rank, world_size, init_method, device)
+    follow_configs(ranks)
+    ranks.leave()
+
+
+def follow_configs(ranks: Ranks) -> None:
+    """A following rank: build the stack of each config rank 0 sends and follow its decoder's turns, until rank 0
+    ends the group."""
+    while (config := ranks.broadcast()) is not None:
+        try:
+            decoder = HierarchicalDecoder(config, ranks=ranks)
+        except Exception:  # rank 0 raises it for every rank (`Ranks.check`) and goes on
+            continue
+        decoder.follow()
+        del decoder
+        gc.collect()  # the stack's cycles (runners, graphs) go before the next config's loads
 
 
 def _next(out: queue.SimpleQueue[Increment]) -> Increment:

@@ -3,17 +3,21 @@ logits of the whole model, and every stack kind decodes through `HierarchicalDec
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import yaml
 from conftest import TINY_CONFIGS, make_tiny_model
 from helpers import assert_pools_empty, make_runner, run_new_tokens
 from test_eagle_checkpoint import published_layout
 from test_fp8 import QWEN_FP8_SHAPE, write_qwen_fp8_checkpoint
 from test_stacks import SIZES
 
+from hsmc.cli import main
 from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.ranks import check_world, join, start_ranks
+from hsmc.engine.ranks import POOL, check_world, join, start_ranks
 from hsmc.errors import ConfigError, ModelLoadError
 from hsmc.models.loading import load_model
 from hsmc.models.parallel import TensorParallel
@@ -52,17 +56,18 @@ def _sharded_logits(ranks, folders: dict[str, str]) -> dict[str, list[torch.Tens
     return {name: _logits(load_model(folder, tp=ranks.tp).model) for name, folder in folders.items()}
 
 
-def _logits_follower(rank: int, world_size: int, init_method: str, folders: dict[str, str]) -> None:
-    ranks = join(rank, world_size, init_method, "cpu")
+def _logits_follower(rank: int, world_size: int, init_method: str, device: str, folders: dict[str, str]) -> None:
+    ranks = join(rank, world_size, init_method, device)
     _sharded_logits(ranks, folders)
     assert ranks.broadcast() is None  # rank 0's stop, as a following rank receives it
-    ranks.close()
+    ranks.leave()
 
 
 @pytest.mark.spawns
 def test_sharded_forward_gives_the_whole_models_logits(tiny):
     """Two gloo ranks (this process and a spawned one), each loading its slices: the all-gathered logits of every
     architecture (an FP8 checkpoint too) agree with the unsharded model's within float32 rounding."""
+    POOL.close()  # the group decoders of other tests left
     ranks = start_ranks(2, "cpu", _logits_follower, (tiny,))
     try:
         sharded = _sharded_logits(ranks, tiny)
@@ -159,7 +164,7 @@ def _decode(family, spec: str, temperature: float, tensor_parallel: int, **smc) 
         decoder.close()
 
 
-GREEDY = ["model:qwen3", "model:llama rejection:qwen2", "eagle3 rejection:llama"]
+GREEDY = ["model:llama rejection:qwen2", "eagle3 rejection:llama"]
 
 
 @pytest.mark.spawns
@@ -185,3 +190,32 @@ def test_smc_stacks_at_t1_give_tp1s_particles_and_weights(family, spec):
         assert (a.smc.chosen, a.smc.resamplings) == (b.smc.chosen, b.smc.resamplings)
         weights = [[p.log_weight for p in r.smc.particles] for r in (a, b)]
         assert weights[0] == pytest.approx(weights[1], abs=1e-4)
+
+
+@pytest.mark.spawns
+def test_hsmc_generate_with_two_ranks_prints_tp1s_tokens(family, tmp_path, capsys):
+    """The CLI path: `hsmc generate ... engine.tensor_parallel=2` starts its ranks and decodes greedily as one
+    process does (a model stack: the bottom kind)."""
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"levels": [{"model": family["qwen3"]}], "engine": {"kv_capacity_tokens": 1024}}))
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    outputs = []
+    for tp in (1, 2):
+        overrides = [f"engine.tensor_parallel={tp}", "generation.max_new_tokens=12", "generation.ignore_eos=true"]
+        assert main(["generate", "--config", str(config), "--prompts-file", str(prompts), "--json", *overrides]) == 0
+        outputs.append([json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()])
+    assert len(outputs[0]) == len(PROMPTS) and all(len(t) == 12 for t in outputs[0])
+    assert outputs[1] == outputs[0]
+
+
+@pytest.mark.spawns
+def test_a_stack_that_fails_to_build_leaves_the_ranks_usable(family, tmp_path):
+    """Every rank fails to load the level; rank 0 raises the one-line error naming it, and the same ranks then
+    build and decode the next stack (a model stack: the bottom kind, greedy as at TP=1)."""
+    (tmp_path / "empty").mkdir()
+    levels = [{"model": family["llama"]}, {"kind": "rejection", "model": str(tmp_path / "empty")}]
+    with pytest.raises(ModelLoadError, match=r"^levels\[1\] \(rejection\): .*empty: missing config\.json$"):
+        HierarchicalDecoder(load_config({"levels": levels, "engine": {"tensor_parallel": 2}}))
+    sharded = _decode(family, "model:qwen3", 0.0, 2)
+    assert [r.token_ids for r in sharded] == [r.token_ids for r in _decode(family, "model:qwen3", 0.0, 1)]

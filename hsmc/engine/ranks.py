@@ -8,10 +8,16 @@ that is identical on every rank by construction (the all-reduced activations and
 bits everywhere, and every draw comes from the rows' seeded streams), so no device result is ever sent between
 ranks and followers drop their outputs. Ranks are spawned here (`start_ranks`), or come from `torchrun`'s
 environment. The device collectives run on the default group: NCCL on CUDA, gloo on the CPU.
+
+The group outlives a decoder: a closed decoder hands its ranks back to the process's `RankPool` (one per process,
+as torch's default group is), the next decoder of the same size leases them and sends the followers its config,
+and the group ends with the process. Starting ranks costs seconds (each imports torch and hsmc), loading a
+stack on them only what its shards take.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from collections.abc import Callable
@@ -38,6 +44,7 @@ class Ranks:
     tp: TensorParallel
     control: Any  # the gloo group rank 0 broadcasts control inputs on
     threads: int  # torch's CPU threads before joining (the ranks of a CPU group share the cores)
+    device: str  # the device type: cuda or cpu
     followers: list[BaseProcess] = field(default_factory=list)  # the processes rank 0 spawned
 
     @property
@@ -51,30 +58,60 @@ class Ranks:
         return box[0]
 
     def check(self, error: BaseException | None) -> None:
-        """Every rank reports how its start went (`error`: its own failure); if one failed, every rank leaves the
-        group and raises: its own error, or the first failing rank's as an HsmcError."""
+        """Every rank reports how building its stack went (`error`: its own failure); if one failed, every rank
+        raises: its own error, or the first failing rank's as an HsmcError."""
         errors: list[str | None] = [None] * self.tp.world_size
         dist.all_gather_object(errors, None if error is None else str(error), group=self.control)
         failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-        if not failed:
-            return
-        self._leave()
         if error is not None:
             raise error
-        raise HsmcError(f"tensor-parallel rank {failed[0][0]}: {failed[0][1]}")
+        if failed:
+            raise HsmcError(f"tensor-parallel rank {failed[0][0]}: {failed[0][1]}")
 
     def close(self) -> None:
-        """Leave the group; rank 0 first tells the followers to stop (`broadcast(None)`)."""
+        """End the group; rank 0 first tells the followers to stop (`broadcast(None)` where they wait for a
+        config)."""
         if self.leader:
             self.broadcast(None)
-        self._leave()
+        self.leave()
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         """Destroy this process's groups and wait for the followers it spawned."""
         dist.destroy_process_group()
         torch.set_num_threads(self.threads)
         for p in self.followers:
             p.join()
+
+
+class RankPool:
+    """The group this process leads while no decoder uses it, so that the next decoder of the same size and
+    device type starts in the time its shards take to load."""
+
+    def __init__(self) -> None:
+        self.idle: Ranks | None = None
+
+    def lease(self, world_size: int, device: str, follow: Callable[..., None]) -> Ranks:
+        """The idle group if it fits, else a new one (`start_ranks`; the idle one ends first)."""
+        idle, self.idle = self.idle, None
+        if idle is not None and (idle.tp.world_size, idle.device) == (world_size, torch.device(device).type):
+            return idle
+        if idle is not None:
+            idle.close()
+        return start_ranks(world_size, device, follow)
+
+    def give_back(self, ranks: Ranks) -> None:
+        """A decoder is done with its ranks (its followers wait for the next config)."""
+        self.close()
+        self.idle = ranks
+
+    def close(self) -> None:
+        if self.idle is not None:
+            self.idle.close()
+            self.idle = None
+
+
+POOL = RankPool()
+atexit.register(POOL.close)  # the followers end with this process
 
 
 def check_world(world_size: int, device: str) -> None:
@@ -87,9 +124,9 @@ def check_world(world_size: int, device: str) -> None:
         )
 
 
-def start_ranks(world_size: int, device: str, follow: Callable[..., None], args: tuple[Any, ...]) -> Ranks:
+def start_ranks(world_size: int, device: str, follow: Callable[..., None], args: tuple[Any, ...] = ()) -> Ranks:
     """Join (under torchrun) or start the group of `world_size` ranks on `device`'s type; this process is rank 0
-    unless torchrun says otherwise. Spawned followers run `follow(rank, world_size, init_method, *args)`."""
+    unless torchrun says otherwise. Spawned followers run `follow(rank, world_size, init_method, device, *args)`."""
     check_world(world_size, device)
     if dist.is_initialized():
         raise HsmcError("a tensor-parallel decoder is already running in this process: close() it first")
@@ -102,7 +139,7 @@ def start_ranks(world_size: int, device: str, follow: Callable[..., None], args:
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")
     followers = [
-        context.Process(target=follow, args=(rank, world_size, init_method, *args), daemon=True)
+        context.Process(target=follow, args=(rank, world_size, init_method, device, *args), daemon=True)
         for rank in range(1, world_size)
     ]
     for p in followers:
@@ -126,7 +163,7 @@ def join(rank: int, world_size: int, init_method: str, device: str) -> Ranks:
         "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return Ranks(TensorParallel(rank, world_size), control, threads)
+    return Ranks(TensorParallel(rank, world_size), control, threads, torch.device(device).type)
 
 
 def _free_port() -> int:
