@@ -12,6 +12,7 @@ from conftest import TINY_CONFIGS, make_tiny_model
 from helpers import assert_pools_empty, make_runner, run_new_tokens
 from test_eagle_checkpoint import published_layout
 from test_fp8 import QWEN_FP8_SHAPE, write_qwen_fp8_checkpoint
+from test_host_reads import reads_and_steps
 from test_stacks import SIZES
 
 from hsmc.cli import main
@@ -219,3 +220,17 @@ def test_a_stack_that_fails_to_build_leaves_the_ranks_usable(family, tmp_path):
         HierarchicalDecoder(load_config({"levels": levels, "engine": {"tensor_parallel": 2}}))
     sharded = _decode(family, "model:qwen3", 0.0, 2)
     assert [r.token_ids for r in sharded] == [r.token_ids for r in _decode(family, "model:qwen3", 0.0, 1)]
+
+
+@pytest.mark.spawns
+def test_rank_0_reads_the_host_once_per_step_as_one_process_does(family):
+    """The suite's host-read counter on rank 0 of two: a rejection top still reads the device once per verify
+    step (the collectives and the per-turn control broadcast are no reads)."""
+    levels = [{"model": family["llama"], "temperature": 0.8}, {"kind": "rejection", "model": family["qwen3"]}]
+    decoder = HierarchicalDecoder(load_config({"levels": levels, "engine": {"tensor_parallel": 2}}))
+    try:
+        (short_reads, short_steps), (long_reads, long_steps) = (reads_and_steps(decoder, PROMPTS, n) for n in (6, 20))
+    finally:
+        decoder.close()
+    assert long_steps > short_steps and long_reads > short_reads  # the counter sees rank 0's reads
+    assert long_reads - short_reads <= long_steps - short_steps
