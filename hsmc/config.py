@@ -247,6 +247,12 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
         yield "engine.max_batch_rows", f"={rows!r} is neither a number of rows nor 'auto'"
     if engine.tensor_parallel < 1:
         yield "engine.tensor_parallel", f"={engine.tensor_parallel} must be >= 1"
+    if engine.tensor_parallel > 1 and engine.device.startswith("cuda:"):
+        yield (
+            "engine.device",
+            f"={engine.device!r}: with engine.tensor_parallel rank i runs on cuda:i; pick the GPUs with "
+            "CUDA_VISIBLE_DEVICES and set engine.device=cuda",
+        )
     for key, value in (
         ("generation.max_new_tokens", cfg.generation.max_new_tokens),
         ("engine.max_batch_rows", rows if isinstance(rows, int) else 1),

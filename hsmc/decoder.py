@@ -173,8 +173,7 @@ class HierarchicalDecoder:
         scope.capturing = "none"
         if fill is not None:
             fill.forced = None
-        for level in stack.levels:
-            level.reset_stats()
+        stack.reset_stats()
         gc.collect()
         gc.freeze()  # what exists now (models, graphs) stays out of later collections: no long pause mid-request
 
@@ -245,8 +244,7 @@ class HierarchicalDecoder:
         rows = [p.particles or self.stack.rows_per_prompt for p in requests]
         driver.admission.check([len(i) for i in ids], [p.max_tokens for p in requests], rows)
         if driver.quiesce():  # statistics of this call alone (another thread's requests would share them)
-            for level in self.stack.levels:
-                level.reset_stats()
+            self.stack.reset_stats()
         out: queue.SimpleQueue[Increment] = queue.SimpleQueue()
         request_ids = driver.submit(ids, requests, out.put, indices=range(len(ids)))
         remaining = len(ids)

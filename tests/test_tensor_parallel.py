@@ -129,6 +129,8 @@ def test_tensor_parallel_key_is_checked(tiny):
         load_config({"levels": [{"model": tiny["llama"]}]}, ["engine.tensor_parallel=0"])
     with pytest.raises(ConfigError, match=r"^engine\.tensor_parallel=9 but \d+ CUDA device\(s\) are visible$"):
         check_world(9, "cuda")
+    with pytest.raises(ConfigError, match=r"engine\.device='cuda:1': with engine\.tensor_parallel rank i runs on"):
+        load_config({"levels": [{"model": tiny["llama"]}], "engine": {"device": "cuda:1", "tensor_parallel": 2}})
     cfg = load_config({"levels": [{"model": tiny["llama"]}], "engine": {"tensor_parallel": 3}})
     with pytest.raises(ConfigError, match=r"^levels\[0\] \(model\): engine\.tensor_parallel=3: .* 4 attention heads"):
         check_before_loading(cfg, [[1, 2]])
@@ -160,6 +162,9 @@ def _decode(family, spec: str, temperature: float, tensor_parallel: int, **smc) 
     try:
         results = decoder.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
         assert_pools_empty(decoder)
+        # again, after rank 0 reset the levels' statistics (a block fill plans from them): the same output
+        again = decoder.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
+        assert [r.token_ids for r in again] == [r.token_ids for r in results]
         return results
     finally:
         decoder.close()

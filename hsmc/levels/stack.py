@@ -43,6 +43,7 @@ class Stack:
     max_rows: int  # engine.max_batch_rows, resolved when "auto"
     device: torch.device
     scope: GraphScope  # what the levels' graphed units (forwards, rounds, cycles) share
+    resets: int = 0  # times the levels' statistics were reset (`reset_stats`)
 
     @property
     def top(self) -> Any:
@@ -76,17 +77,29 @@ class Stack:
         """Released rows: the top level's law forgets them."""
         self.top.laws.clear(rows)
 
-    @property
-    def mode(self) -> tuple[str, int | None]:
-        """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
-        capturing and a forced block-fill plan (both set by the warmup); tensor-parallel ranks share it."""
-        fill = self.top.proposal.fill if self.is_smc else None
-        return self.scope.capturing, fill.forced if fill is not None else None
+    def reset_stats(self) -> None:
+        """Every level's statistics start again (a rejection level's acceptance counts among them, which a block
+        fill plans from)."""
+        self.resets += 1
+        for level in self.levels:
+            level.reset_stats()
 
-    def set_mode(self, mode: tuple[str, int | None]) -> None:
-        self.scope.capturing, forced = mode  # type: ignore[assignment]
+    @property
+    def mode(self) -> tuple[str, int | None, int]:
+        """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
+        capturing and a forced block-fill plan (both set by the warmup), and the statistics resets (a block fill's
+        plans follow its acceptance counts). Tensor-parallel ranks share it, so they run the same forwards."""
+        fill = self.top.proposal.fill if self.is_smc else None
+        return self.scope.capturing, fill.forced if fill is not None else None, self.resets
+
+    def set_mode(self, mode: tuple[str, int | None, int]) -> None:
+        capturing, forced, resets = mode
+        self.scope.capturing = capturing  # type: ignore[assignment]
         if self.is_smc and self.top.proposal.fill is not None:
             self.top.proposal.fill.forced = forced
+        if resets != self.resets:
+            self.reset_stats()
+            self.resets = resets
 
     @property
     def lookahead(self) -> int:
