@@ -70,7 +70,7 @@ class Turn:
 
     requests: list[tuple[int, int, list[int], SamplingParams]]  # id, index, prompt, resolved parameters
     cancels: list[int]
-    mode: Any  # the stack's mode (`Stack.mode`): graph capture and forced plans set by the warmup
+    mode: Any  # the stack's mode (`Stack.mode`): what the host sets besides requests that changes device work
 
 
 def _discard(increment: Increment) -> None:
@@ -288,7 +288,13 @@ class RequestDriver:
         if self.ranks is not None:
             taken, self._taken = self._taken, []
             mode = self.mode() if self.mode is not None else None
-            self.ranks.broadcast(Turn([(r.id, r.index, r.prompt, r.params) for r in taken], list(cancels), mode))
+            try:
+                self.ranks.broadcast(Turn([(r.id, r.index, r.prompt, r.params) for r in taken], list(cancels), mode))
+            except Exception as e:  # a rank is gone: no request can run any more
+                self._fail_running(e)
+                for r in list(self._requests.values()):
+                    self._end(r, e)
+                return
         self._run_turn(cancels)
 
     def follow(self, set_mode: Callable[[Any], None]) -> None:
