@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import queue
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -331,6 +332,7 @@ class HierarchicalDecoder:
 
 def _follow(rank: int, world_size: int, init_method: str, device: str) -> None:
     """A spawned tensor-parallel rank (`hsmc.engine.ranks.start_ranks`), until rank 0's process ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's whole group: rank 0 stops us
     ranks = join(rank, world_size, init_method, device)
     follow_configs(ranks)
     ranks.leave()
