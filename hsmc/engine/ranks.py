@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from hsmc.errors import ConfigError, HsmcError
 from hsmc.models.parallel import TensorParallel
 
-STARTUP_TIMEOUT = timedelta(minutes=30)  # loading a 32B shard from a cold disk
+STARTUP_TIMEOUT = timedelta(minutes=30)  # of the device group (joining waits for every rank to start)
 IDLE_TIMEOUT = timedelta(days=365)  # followers wait on the control group as long as rank 0 has no request
 
 
