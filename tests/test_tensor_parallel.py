@@ -28,6 +28,13 @@ from hsmc.preflight import check_before_loading
 PROMPTS = [[3, 17, 5, 9, 40], [8], [60, 2, 33]]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_ranks_left():
+    """The ranks the decoders here handed back end with this module, not with the test session."""
+    yield
+    POOL.close()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """Tiny random models of each architecture whose heads, KV heads and MLP split over 2 ranks (qwen2's one KV
