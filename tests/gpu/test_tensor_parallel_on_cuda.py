@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_stacks_on_cuda import PROMPTS, decoder, stacks, without_syncs  # noqa: F401 (stacks: a fixture)
+
+# fixtures: stacks, and exact_float32 (autouse: TF32 off)
+from test_stacks_on_cuda import PROMPTS, decoder, exact_float32, stacks, without_syncs  # noqa: F401
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def exact_float32():
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @pytest.mark.parametrize("kind", ["model", "rejection", "eagle3"])
