@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -13,6 +14,7 @@ from helpers import assert_pools_empty, make_runner, run_new_tokens
 from test_eagle_checkpoint import published_layout
 from test_fp8 import QWEN_FP8_SHAPE, write_qwen_fp8_checkpoint
 from test_host_reads import reads_and_steps
+from test_serve import configs, live_server, metric, wait_idle  # noqa: F401 (configs: a fixture)
 from test_stacks import SIZES
 
 from hsmc.cli import main
@@ -24,6 +26,7 @@ from hsmc.models.loading import load_model
 from hsmc.models.parallel import TensorParallel
 from hsmc.ops.fp8_linear import Fp8Linear
 from hsmc.preflight import check_before_loading
+from hsmc.serve import create_app
 
 PROMPTS = [[3, 17, 5, 9, 40], [8], [60, 2, 33]]
 
@@ -246,3 +249,24 @@ def test_rank_0_reads_the_host_once_per_step_as_one_process_does(family):
         decoder.close()
     assert long_steps > short_steps and long_reads > short_reads  # the counter sees rank 0's reads
     assert long_reads - short_reads <= long_steps - short_steps
+
+
+@pytest.mark.spawns
+def test_serve_with_two_ranks_answers_as_one_and_a_leaving_client_ends_on_every_rank(configs):  # noqa: F811
+    """`hsmc serve`'s app over a decoder of two ranks: a client that leaves mid-stream cancels its request (on the
+    followers too: the next request then runs as in one process), and a seeded completion is one process's."""
+    body = {"model": "rejection", "prompt": "abc", "max_tokens": 12, "seed": 5, "ignore_eos": True}
+    answers = []
+    for tp in (1, 2):
+        decoder = HierarchicalDecoder(load_config(configs["rejection"], [f"engine.tensor_parallel={tp}"]))
+        try:
+            with live_server(create_app(decoder, "rejection", 256)) as base:
+                leaving = {**body, "max_tokens": 4000, "stream": True}
+                with httpx.stream("POST", f"{base}/v1/completions", json=leaving) as response:
+                    next(line for line in response.iter_lines() if line.startswith("data: "))
+                wait_idle(decoder)
+                assert metric(base, 'hsmc_requests_total{status="cancelled"}') == 1
+                answers.append(httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
+        finally:
+            decoder.close()
+    assert answers[0] == answers[1] and answers[0]
