@@ -91,6 +91,16 @@ def test_sharded_forward_gives_the_whole_models_logits(tiny):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_world_size_one_calls_no_collective(tiny, monkeypatch):
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective at world size 1")
+
+    for name in ("all_reduce", "all_gather", "broadcast", "broadcast_object_list"):
+        monkeypatch.setattr(torch.distributed, name, collective)
+    logits = _logits(load_model(tiny["qwen2"]).model)
+    assert logits[0].shape == (len(PROMPTS[0]) + 1, 97)
+
+
 def test_each_rank_reads_its_slices(tiny):
     """Rank r's q/k/v, gate/up rows and o/down columns are the r-th halves of the checkpoint's, the vocabulary
     split in ceil(V/2) rows with zero padding, norms whole; FP8 weights and their scales split block for block."""
