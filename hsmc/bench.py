@@ -40,7 +40,7 @@ from hsmc.errors import ConfigError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
 from hsmc.models.loading import COMPUTE_DTYPES, LoadedModel
-from hsmc.models.shapes import SHAPES, hf_config, random_model
+from hsmc.models.shapes import RANDOM_PREFIX, SHAPES, hf_config, random_model
 from hsmc.models.size import weight_bytes
 
 
@@ -196,14 +196,21 @@ def bench_decoder(
 def shape_case(
     shape: str, dtype: str, device: torch.device, engine: dict[str, Any]
 ) -> tuple[Any, DecoderLM, Any | None]:
-    """A one-level decoder over random weights of a named shape, and its transformers twin (None for fp8)."""
+    """A one-level decoder over random weights of a named shape, and its transformers twin (None for fp8). Sharded
+    (`engine.tensor_parallel` > 1), every rank draws its own shard (`random:` models), the model returned is rank
+    0's (its bytes make the per-GPU roofline) and there is no twin."""
     from hsmc.decoder import HierarchicalDecoder
 
+    engine = {"device": str(device), **engine}
+    if engine.get("tensor_parallel", 1) > 1:
+        config = load_config({"levels": [{"model": RANDOM_PREFIX + shape, "dtype": dtype}], "engine": engine})
+        decoder = HierarchicalDecoder(config)
+        return decoder, decoder.stack.top.state.runner.module, None
     hf_cfg = hf_config(shape)
     cfg = DecoderConfig.from_hf(hf_cfg, source=shape)
     fp8 = dtype == "fp8"
     model = random_model(cfg, COMPUTE_DTYPES[dtype], device, fp8=fp8)
-    config = load_config({"levels": [{"model": shape, "dtype": dtype}], "engine": {"device": str(device), **engine}})
+    config = load_config({"levels": [{"model": shape, "dtype": dtype}], "engine": engine})
     decoder = HierarchicalDecoder(config, models={shape: LoadedModel(model, None, shape)})
     return decoder, model, None if fp8 else hf_twin(model, hf_cfg)
 
@@ -430,6 +437,7 @@ def run_bench(
             by_dtype[case_dtype] = bench_decoder(
                 case, decoder, model, hf if baseline else None, batches, prompt_tokens, new_tokens, bandwidth
             )
+            decoder.close()  # tensor-parallel ranks stop before the next case starts its own
             del decoder, model, hf
             gc.collect()  # runners and their CUDA graphs reference each other: free them before the next case
             torch.cuda.empty_cache()
@@ -445,6 +453,7 @@ def run_bench(
 
         decoder = HierarchicalDecoder(config_for_bench(config, batches, prompt_tokens, new_tokens))
         stack_rows = bench_stack(name, decoder, batches, prompt_tokens, new_tokens, bandwidth)
+        decoder.close()
         if not rows:
             tables.append(f"device: {device_name}; measured copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
         tables.append(format_stack_table(stack_rows))

@@ -70,6 +70,9 @@ def _add_bench(sub: Any) -> None:
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"], help="fp8: also runs bf16 to compare"
     )
     cmd.add_argument("--no-baseline", action="store_true", help="skip transformers' eager generate")
+    cmd.add_argument(
+        "--tensor-parallel", type=int, default=1, help="--shape: GPUs each shape is sharded over (no baseline then)"
+    )
     cmd.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     cmd.add_argument("--plot", help="write a tok/s-vs-batch chart (PNG) here")
     cmd.add_argument("overrides", nargs="*", help="config overrides for --config")
@@ -214,6 +217,7 @@ def _bench(args: argparse.Namespace) -> int:
     engine = {
         "max_batch_rows": max(batches),
         "kv_capacity_tokens": max(batches) * (args.prompt_tokens + args.new_tokens + 64),
+        "tensor_parallel": args.tensor_parallel,
     }
     name = Path(args.config).stem if args.config else "config"
     rows, table = run_bench(

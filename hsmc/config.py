@@ -69,6 +69,9 @@ class EngineConfig:
     # capture every CUDA graph the config's batch shapes need before the first request (`hsmc serve` always does),
     # so no request pays a capture; shapes first seen later run without a graph instead
     warmup: bool = False
+    # GPUs (CPU processes on the CPU) every model of the stack is sharded over: heads, MLP and vocabulary split
+    # (hsmc/models/parallel.py), one process per rank started by hsmc itself (hsmc/engine/ranks.py)
+    tensor_parallel: int = 1
 
     @property
     def resolved_attention(self) -> str:
@@ -242,6 +245,14 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
     rows = engine.resolved_max_batch_rows
     if isinstance(rows, str) and rows != "auto":
         yield "engine.max_batch_rows", f"={rows!r} is neither a number of rows nor 'auto'"
+    if engine.tensor_parallel < 1:
+        yield "engine.tensor_parallel", f"={engine.tensor_parallel} must be >= 1"
+    if engine.tensor_parallel > 1 and engine.device.startswith("cuda:"):
+        yield (
+            "engine.device",
+            f"={engine.device!r}: with engine.tensor_parallel rank i runs on cuda:i; pick the GPUs with "
+            "CUDA_VISIBLE_DEVICES and set engine.device=cuda",
+        )
     for key, value in (
         ("generation.max_new_tokens", cfg.generation.max_new_tokens),
         ("engine.max_batch_rows", rows if isinstance(rows, int) else 1),

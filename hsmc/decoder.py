@@ -3,7 +3,8 @@
 It loads the level stack and submits prompts to the stack's request driver (`hsmc.engine.driver`), which decodes
 them with continuous batching on its own thread; `stream()` passes each request's output on as it settles and
 `generate()` collects the results. Other threads may submit to the same driver (`decoder.driver`) at the same time,
-as `hsmc serve` does.
+as `hsmc serve` does. With `engine.tensor_parallel: N` it starts N - 1 following processes that build the same
+stack on their shard and run the same driver turns (`hsmc.engine.ranks`); this process is rank 0.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import queue
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,11 +23,13 @@ from omegaconf import DictConfig
 
 from hsmc.config import GenerationConfig, HsmcConfig, level_label, load_config, validate
 from hsmc.engine.driver import Defaults, RequestDriver
+from hsmc.engine.ranks import POOL, Ranks, join
 from hsmc.engine.scheduler import Admission
 from hsmc.engine.tops import StepTop
 from hsmc.errors import ConfigError, ModelLoadError
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
+from hsmc.models.parallel import SINGLE
 from hsmc.preflight import check_stop_strings, prompt_token_ids
 from hsmc.requests import Increment, Particle, Result, SamplingParams, SMCOutcome, derive_seed
 
@@ -44,18 +48,44 @@ class GenerationInterrupted(KeyboardInterrupt):
 
 
 class HierarchicalDecoder:
-    def __init__(self, config: HsmcConfig, models: dict[str, LoadedModel] | None = None) -> None:
+    def __init__(
+        self, config: HsmcConfig, models: dict[str, LoadedModel] | None = None, ranks: Ranks | None = None
+    ) -> None:
         """`models` supplies already-built models by the `model` string a level names (e.g. random weights
-        of a real shape for `hsmc bench`); every other level loads its model as usual."""
+        of a real shape for `hsmc bench`); every other level loads its model as usual. `ranks`: the
+        tensor-parallel group of a following rank (rank 0 starts it from `engine.tensor_parallel`)."""
         self.config = config
+        world = config.engine.tensor_parallel
+        if models and world > 1:
+            raise ConfigError(f"engine.tensor_parallel={world}: every rank builds its own shard, so models= is refused")
+        if ranks is None and world > 1:
+            ranks = POOL.lease(world, config.engine.device, _follow)
+            if not ranks.leader:  # a torchrun rank: it follows rank 0's decoders, then its process ends
+                follow_configs(ranks)
+                ranks.leave()
+                raise SystemExit(0)
+            ranks.broadcast(config)
+        self.ranks = ranks
+        error = None
         try:
-            self.stack = build_stack(config, models or {})
+            self.stack = build_stack(config, models or {}, ranks.tp if ranks is not None else SINGLE)
         except ModelLoadError as e:
-            raise type(e)(f"{self._levels_using(e.source)}: {e}", e.source) from None
+            error = type(e)(f"{self._levels_using(e.source)}: {e}", e.source)
+        except Exception as e:  # every rank must hear of it before any raises
+            error = e
+        if ranks is not None:
+            try:
+                ranks.check(error)
+            except Exception:
+                if ranks.leader:
+                    POOL.give_back(ranks)
+                raise
+        if error is not None:
+            raise error from None
         self.tokenizer = self.stack.tokenizer
         self._driver: RequestDriver | None = None
         self._warm = False
-        if config.engine.warmup:
+        if config.engine.warmup and (ranks is None or ranks.leader):
             self.warmup()
 
     @classmethod
@@ -75,9 +105,14 @@ class HierarchicalDecoder:
             admission = Admission(stack.max_rows, stack.capacity, stack.lookahead, stack.rows_per_prompt)
             eos, kinds = frozenset(stack.eos_token_ids), [c.kind for c in stack.configs]
             self._driver = RequestDriver(
-                top, admission, defaults, eos, self.tokenizer, kinds, stack.assign, stack.clear
-            )
+                top, admission, defaults, eos, self.tokenizer, kinds, stack.assign, stack.clear, self.ranks,
+                lambda: stack.mode,
+            )  # fmt: skip
         return self._driver
+
+    def follow(self) -> None:
+        """A following tensor-parallel rank: run rank 0's driver turns until its decoder closes."""
+        self.driver.follow(self.stack.set_mode)
 
     @property
     def vocab_size(self) -> int:
@@ -139,15 +174,19 @@ class HierarchicalDecoder:
         scope.capturing = "none"
         if fill is not None:
             fill.forced = None
-        for level in stack.levels:
-            level.reset_stats()
+        stack.reset_stats()
         gc.collect()
         gc.freeze()  # what exists now (models, graphs) stays out of later collections: no long pause mid-request
 
     def close(self, timeout: float = 0.0) -> None:
-        """Stop the request loop: running requests get `timeout` seconds to finish, then are cancelled."""
+        """Stop the request loop: running requests get `timeout` seconds to finish, then are cancelled. Under
+        tensor parallelism the following ranks stop too."""
         if self._driver is not None:
             self._driver.shutdown(timeout)
+        if self.ranks is not None:
+            self.ranks.broadcast(None)  # the followers' decoders stop; their processes wait for the next config
+            POOL.give_back(self.ranks)
+            self.ranks = None
 
     def generate(
         self,
@@ -206,8 +245,7 @@ class HierarchicalDecoder:
         rows = [p.particles or self.stack.rows_per_prompt for p in requests]
         driver.admission.check([len(i) for i in ids], [p.max_tokens for p in requests], rows)
         if driver.quiesce():  # statistics of this call alone (another thread's requests would share them)
-            for level in self.stack.levels:
-                level.reset_stats()
+            self.stack.reset_stats()
         out: queue.SimpleQueue[Increment] = queue.SimpleQueue()
         request_ids = driver.submit(ids, requests, out.put, indices=range(len(ids)))
         remaining = len(ids)
@@ -290,6 +328,27 @@ class HierarchicalDecoder:
         gen = dataclasses.replace(self.config.generation, **overrides)
         validate(dataclasses.replace(self.config, generation=gen), "generate()")
         return gen
+
+
+def _follow(rank: int, world_size: int, init_method: str, device: str) -> None:
+    """A spawned tensor-parallel rank (`hsmc.engine.ranks.start_ranks`), until rank 0's process ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's whole group: rank 0 stops us
+    ranks = join(rank, world_size, init_method, device)
+    follow_configs(ranks)
+    ranks.leave()
+
+
+def follow_configs(ranks: Ranks) -> None:
+    """A following rank: build the stack of each config rank 0 sends and follow its decoder's turns, until rank 0
+    ends the group."""
+    while (config := ranks.broadcast()) is not None:
+        try:
+            decoder = HierarchicalDecoder(config, ranks=ranks)
+        except Exception:  # rank 0 raises it for every rank (`Ranks.check`) and goes on
+            continue
+        decoder.follow()
+        del decoder
+        gc.collect()  # the stack's cycles (runners, graphs) go before the next config's loads
 
 
 def _next(out: queue.SimpleQueue[Increment]) -> Increment:

@@ -18,6 +18,7 @@ import torch
 
 from hsmc.config import GenerationConfig, HsmcConfig, LevelConfig, level_label
 from hsmc.engine.kv_sizing import GIB, free_memory, stack_capacity, with_rows
+from hsmc.engine.ranks import check_world
 from hsmc.engine.scheduler import Admission, rows_and_lookahead
 from hsmc.errors import ConfigError, ModelLoadError, PromptError
 from hsmc.models.config import DecoderConfig
@@ -32,6 +33,7 @@ from hsmc.models.loading import (
     resolve_folder,
     safetensors_files,
 )
+from hsmc.models.parallel import TensorParallel
 from hsmc.models.shapes import SHAPES, hf_config, random_shape
 from hsmc.models.size import weight_bytes
 from hsmc.models.tokenizer import encode_prompt, load_tokenizer
@@ -42,9 +44,10 @@ from hsmc.prompts import Prompt
 
 def check_before_loading(cfg: HsmcConfig, prompts: Sequence[Prompt]) -> list[list[int]]:
     """Everything about a run of `prompts` that can fail without weights; returns their token ids."""
+    check_world(cfg.engine.tensor_parallel, cfg.engine.device)
     for i, level in enumerate(cfg.levels):
         try:
-            _check_level(level)
+            _check_level(level, cfg.engine.tensor_parallel)
         except ModelLoadError as e:
             raise type(e)(f"{level_label(i, level)}: {e}", e.source) from None
         except ConfigError as e:
@@ -67,7 +70,7 @@ def estimated_sizes(cfg: HsmcConfig) -> tuple[HsmcConfig, int]:
     if isinstance(capacity, int) and isinstance(rows, int):
         return with_rows(cfg, [], 0), capacity
     weights: dict[tuple[str, str, int | None], int] = {}  # levels naming the same model share its weights
-    modules = [_meta_module(level) for level in cfg.levels]
+    modules = [_meta_module(level, cfg.engine.tensor_parallel) for level in cfg.levels]
     for level, module in zip(cfg.levels, modules):
         weights[(level.model, level.dtype, level.num_layers)] = weight_bytes(module)
     total = sum(weights.values())
@@ -78,8 +81,9 @@ def estimated_sizes(cfg: HsmcConfig) -> tuple[HsmcConfig, int]:
     return cfg, stack_capacity(cfg, modules, free, f"estimated free after {total / GIB:.1f} GiB of weights")
 
 
-def _meta_module(level: LevelConfig) -> torch.nn.Module:
-    """The level's model (or EAGLE3 head) on the meta device, with FP8 Linears where it will have them."""
+def _meta_module(level: LevelConfig, tensor_parallel: int = 1) -> torch.nn.Module:
+    """The level's model (or EAGLE3 head) on the meta device, with FP8 Linears where it will have them; a decoder
+    as one of `tensor_parallel` ranks holds it (a head is whole on every rank)."""
     shape = random_shape(level.model)  # random weights of a named shape (for an eagle3 level: its verifier's)
     if level.kind == "eagle3":
         from hsmc.eagle.checkpoint import head_from_config, new_head_config, read_head_config
@@ -93,7 +97,7 @@ def _meta_module(level: LevelConfig) -> torch.nn.Module:
     if level.num_layers is not None:
         config = dataclasses.replace(config, num_layers=level.num_layers)
     with torch.device("meta"):
-        model = DecoderLM(config).to(COMPUTE_DTYPES[level.dtype])
+        model = DecoderLM(config, TensorParallel(0, tensor_parallel), level.model).to(COMPUTE_DTYPES[level.dtype])
     local = shape is None and not level.model.endswith(".gguf")
     fmt = fp8_format(resolve_folder(level.model, weights=False)) if local else None
     block = fmt.block if fmt is not None else (QWEN_BLOCK if level.dtype == "fp8" else None)
@@ -119,9 +123,12 @@ def check_stop_strings(generation: GenerationConfig, tokenizer: Any | None) -> N
         raise ConfigError("generation.stop needs a tokenizer, and this model folder ships none")
 
 
-def _check_level(level: LevelConfig) -> None:
-    """The level's model exists and is one hsmc can build, and its local weight files are readable."""
+def _check_level(level: LevelConfig, tensor_parallel: int) -> None:
+    """The level's model exists and is one hsmc can build (split over `tensor_parallel` ranks), and its local
+    weight files are readable."""
     if random_shape(level.model) is not None:  # random weights of a named shape: nothing to read
+        if level.kind != "eagle3":
+            _decoder_config(level.model).shard(tensor_parallel, level.model)
         return
     if level.kind == "eagle3":
         from hsmc.eagle.checkpoint import read_head_config
@@ -133,6 +140,7 @@ def _check_level(level: LevelConfig) -> None:
                 check_safetensors_header(f)
         return
     model = _decoder_config(level.model)
+    model.shard(tensor_parallel, level.model)
     if level.num_layers is not None and level.num_layers > model.num_layers:
         raise ConfigError(f"num_layers={level.num_layers}, but {level.model} has {model.num_layers} layers")
 

@@ -41,14 +41,14 @@ class Eagle3Layer(nn.Module):
         )
         # o_proj consumes its residual (may add into it in place); `hidden` stays the caller's
         stream = self.self_attn(x, ctx, None, residual=hidden.clone())
-        return self.mlp(stream, self.post_attention_layernorm, backend)
+        return self.mlp(stream, self.post_attention_layernorm, ctx)
 
 
 class Eagle3Head(nn.Module):
     def __init__(self, cfg: DecoderConfig, draft_vocab_size: int) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.config = cfg
+        self.config = self.layer_config = cfg  # replicated under tensor parallelism: every rank holds every head
         self.draft_vocab_size = draft_vocab_size
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.midlayer = Eagle3Layer(cfg)

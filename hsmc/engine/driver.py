@@ -9,6 +9,11 @@ cancelled and failed requests' rows, and hands each request's settled output to 
 loop thread: text that can no longer change (for an smc top the consensus prefix of its particles), then the
 `Result`. A request that fails in its own host-side work fails alone; an error in a launch fails the requests it
 carried and the loop goes on with the rest.
+
+Under tensor parallelism (`hsmc.engine.ranks`) every rank runs this loop: rank 0's opens each turn by broadcasting
+what it took from other threads (new requests with their resolved parameters, cancellations, the stack's mode) as a
+`Turn`, and the other ranks' `follow` runs the same turn from it. Everything else a turn decides (admission,
+launches, ends, releases) follows from those inputs and from device results that are identical on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hsmc.engine.ranks import Ranks
 from hsmc.engine.scheduler import Admission
 from hsmc.engine.tops import Group, Launch, Top
 from hsmc.errors import RequestCancelled, RequestError
@@ -65,6 +71,19 @@ class _Request:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """The inputs of one turn that rank 0 took from other threads, as the following ranks receive them."""
+
+    requests: list[tuple[int, int, list[int], SamplingParams]]  # id, index, prompt, resolved parameters
+    cancels: list[int]
+    mode: Any  # the stack's mode (`Stack.mode`): what the host sets besides requests that changes device work
+
+
+def _discard(increment: Increment) -> None:
+    """A following rank's sink: rank 0 hands out the outputs."""
+
+
+@dataclass(frozen=True)
 class Defaults:
     """What a request's unset parameters become, and what the stack offers."""
 
@@ -93,10 +112,13 @@ class RequestDriver:
         level_kinds: Sequence[str],
         prepare: Callable[[list[Group]], None] | None = None,
         forget: Callable[[list[int]], None] | None = None,
+        ranks: Ranks | None = None,
+        mode: Callable[[], Any] | None = None,
     ) -> None:
         """`level_kinds`: the stack's level kinds, bottom to top (for each request's level statistics); `prepare`:
         called with newly admitted groups before their prefill (their rows' random streams and sampling law),
-        `forget` with the rows of every released one."""
+        `forget` with the rows of every released one. `ranks`: the tensor-parallel group this rank decodes in
+        (rank 0 broadcasts every turn's inputs, `mode()` among them; other ranks `follow`)."""
         self.top = top
         self.admission = admission
         self.defaults = defaults
@@ -105,6 +127,8 @@ class RequestDriver:
         self.level_kinds = list(level_kinds)
         self.prepare = prepare
         self.forget = forget
+        self.ranks, self.mode = ranks, mode
+        self._taken: list[_Request] = []  # taken from the inbox since the last turn (for the following ranks)
         self._ids = count()
         self._wake = threading.Condition()
         self._inbox: list[_Request] = []
@@ -173,12 +197,9 @@ class RequestDriver:
             vocab = self.defaults.vocab_size
             if bad := [t for t in prompt if not 0 <= t < vocab]:
                 raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
-            resolved = self.resolve(p, len(prompt))
-            eos = frozenset() if resolved.ignore_eos else self.eos_token_ids
-            stop = StopCriteria(eos, resolved.stop, self.tokenizer)
             rid = next(self._ids)
             index = rid if indices is None else indices[i]
-            requests.append(_Request(rid, index, list(prompt), resolved, stop, TextStream(self.tokenizer, stop), sink))
+            requests.append(self._request(rid, index, list(prompt), self.resolve(p, len(prompt)), sink))
         with self._wake:
             if self._closing:
                 raise RequestError("the decoder is shutting down: no new requests")
@@ -191,6 +212,11 @@ class RequestDriver:
                 self._thread.start()
                 atexit.register(_stop_at_exit, weakref.ref(self))  # no device work may run on into exit
         return [r.id for r in requests]
+
+    def _request(self, rid: int, index: int, prompt: list[int], resolved: SamplingParams, sink: Sink) -> _Request:
+        eos = frozenset() if resolved.ignore_eos else self.eos_token_ids
+        stop = StopCriteria(eos, resolved.stop, self.tokenizer)
+        return _Request(rid, index, prompt, resolved, stop, TextStream(self.tokenizer, stop), sink)
 
     def cancel(self, request_ids: Sequence[int], reason: BaseException | None = None) -> None:
         """End these requests (waiting or running) with `reason` (default RequestCancelled); ended ones are left."""
@@ -252,8 +278,9 @@ class RequestDriver:
             self._gather_burst()
         self._idle = False
         for r in self._inbox:  # under the lock: `queue_depth` counts them in one place or the other
-            self._requests[r.id] = r
-            self.admission.add(r.id, len(r.prompt), r.max_tokens, r.params.particles)  # type: ignore[arg-type]
+            self._accept(r)
+        if self.ranks is not None:
+            self._taken += self._inbox
         self._inbox = []
         return True
 
@@ -265,10 +292,37 @@ class RequestDriver:
             seen = len(self._inbox)
             self._wake.wait(min(BURST_GAP_SECONDS, left))
 
+    def _accept(self, r: _Request) -> None:
+        self._requests[r.id] = r
+        self.admission.add(r.id, len(r.prompt), r.max_tokens, r.params.particles)  # type: ignore[arg-type]
+
     def _turn(self) -> None:
-        """One turn of the loop: end what was cancelled, then admit, launch and read."""
+        """One turn of the loop: end what was cancelled, then admit, launch and read (after telling the following
+        ranks what this turn took)."""
         with self._wake:
             cancels, self._cancels = self._cancels, {}
+        if self.ranks is not None:
+            taken, self._taken = self._taken, []
+            mode = self.mode() if self.mode is not None else None
+            try:
+                self.ranks.broadcast(Turn([(r.id, r.index, r.prompt, r.params) for r in taken], list(cancels), mode))
+            except Exception as e:  # a rank is gone: no request can run any more
+                self._fail_running(e)
+                for r in list(self._requests.values()):
+                    self._end(r, e)
+                return
+        self._run_turn(cancels)
+
+    def follow(self, set_mode: Callable[[Any], None]) -> None:
+        """A following rank's loop: run the turns rank 0 broadcasts, in its mode (`set_mode`), until it stops."""
+        with torch.inference_mode():
+            while (turn := self.ranks.broadcast()) is not None:  # type: ignore[union-attr]
+                for rid, index, prompt, params in turn.requests:
+                    self._accept(self._request(rid, index, prompt, params, _discard))
+                set_mode(turn.mode)
+                self._run_turn({rid: RequestCancelled(f"request {rid} was cancelled") for rid in turn.cancels})
+
+    def _run_turn(self, cancels: dict[int, BaseException]) -> None:
         for rid, reason in cancels.items():
             if rid in self._requests:
                 self._end(self._requests[rid], reason)
@@ -469,7 +523,10 @@ class RequestDriver:
             r.sink(increment)
         except Exception:
             if r.id in self._requests and increment.error is None:
-                self._release(r)
+                if self.ranks is not None:  # released at the next turn, on every rank
+                    self.cancel([r.id])
+                else:
+                    self._release(r)
 
     def _fail_running(self, error: Exception) -> None:
         """A launch failed: fail every admitted request (their state on the device is unknown) and drop the reads.

@@ -136,9 +136,11 @@ def _sizes(cfg: HsmcConfig, modules: list[torch.nn.Module]) -> tuple[list[int], 
     rows = cfg.engine.max_batch_rows
     table = block_table_bytes_per_token(rows)
     dtypes = [next(m.parameters()).dtype for m in modules]  # the embeddings' (an FP8 model's activations)
-    per_token = [kv_bytes_per_token(m.config, dtype) + table for m, dtype in zip(modules, dtypes)]
+    # a tensor-parallel rank's layers (`layer_config`) hold its share of the KV heads and MLP
+    per_token = [kv_bytes_per_token(m.layer_config, dtype) + table for m, dtype in zip(modules, dtypes)]
     element_size = max(dtype.itemsize for dtype in dtypes)
-    activations = prefill_activation_bytes([m.config for m in modules], element_size, cfg.engine.prefill_chunk_tokens)
+    layers = [m.layer_config for m in modules]
+    activations = prefill_activation_bytes(layers, element_size, cfg.engine.prefill_chunk_tokens)
     return per_token, reserve_bytes(cfg, modules[-1].config.vocab_size, largest_fp8_weight(modules), activations)
 
 
@@ -149,7 +151,7 @@ def stack_capacity(cfg: HsmcConfig, modules: list[torch.nn.Module], free_bytes: 
     from hsmc.engine.scheduler import minimum_kv_tokens
 
     per_token, reserve = _sizes(cfg, modules)
-    most = most_useful_tokens([m.config for m in modules], cfg.engine.max_batch_rows)
+    most = most_useful_tokens([m.layer_config for m in modules], cfg.engine.max_batch_rows)
     return auto_capacity(free_bytes, per_token, minimum_kv_tokens(cfg), what, most_tokens=most, reserve=reserve)
 
 

@@ -43,7 +43,7 @@ class ModelRunner:
         """`module_kwargs` are fixed arguments of every forward (e.g. `capture` for the layers an EAGLE3
         head reads); `cuda_graphs` replays captured graphs for the shapes that have one; `scope`: the graph
         scope of the runner's stack (its own without one)."""
-        cfg = module.config
+        cfg = module.layer_config  # a tensor-parallel rank's KV cache holds its own KV heads
         self.module = module
         self.tables = tables
         self.backend = backend

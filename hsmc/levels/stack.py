@@ -26,6 +26,7 @@ from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.smc import SMCLevel, SMCParams
 from hsmc.models.loading import LoadedModel, load_model
+from hsmc.models.parallel import SINGLE, TensorParallel
 from hsmc.models.shapes import SHAPES, random_loaded, random_shape
 from hsmc.ops.backend import Backend, TorchBackend
 from hsmc.ops.fp8_linear import Fp8Linear
@@ -42,6 +43,7 @@ class Stack:
     max_rows: int  # engine.max_batch_rows, resolved when "auto"
     device: torch.device
     scope: GraphScope  # what the levels' graphed units (forwards, rounds, cycles) share
+    resets: int = 0  # times the levels' statistics were reset (`reset_stats`)
 
     @property
     def top(self) -> Any:
@@ -75,6 +77,30 @@ class Stack:
         """Released rows: the top level's law forgets them."""
         self.top.laws.clear(rows)
 
+    def reset_stats(self) -> None:
+        """Every level's statistics start again (a rejection level's acceptance counts among them, which a block
+        fill plans from)."""
+        self.resets += 1
+        for level in self.levels:
+            level.reset_stats()
+
+    @property
+    def mode(self) -> tuple[str, int | None, int]:
+        """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
+        capturing and a forced block-fill plan (both set by the warmup), and the statistics resets (a block fill's
+        plans follow its acceptance counts). Tensor-parallel ranks share it, so they run the same forwards."""
+        fill = self.top.proposal.fill if self.is_smc else None
+        return self.scope.capturing, fill.forced if fill is not None else None, self.resets
+
+    def set_mode(self, mode: tuple[str, int | None, int]) -> None:
+        capturing, forced, resets = mode
+        self.scope.capturing = capturing  # type: ignore[assignment]
+        if self.is_smc and self.top.proposal.fill is not None:
+            self.top.proposal.fill.forced = forced
+        if resets != self.resets:
+            self.reset_stats()
+            self.resets = resets
+
     @property
     def lookahead(self) -> int:
         """Tokens a row may hold past its output before they are rejected or returned."""
@@ -101,7 +127,9 @@ def _set_fp8_activations(modules: list[nn.Module], dynamic: bool) -> None:
         linear.dynamic_activations = dynamic
 
 
-def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -> Stack:
+def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, tp: TensorParallel = SINGLE) -> Stack:
+    """The levels of `cfg`; `tp`: the tensor-parallel rank whose shard of every model this process holds (an
+    EAGLE3 head stays whole on every rank)."""
     device = torch.device(cfg.engine.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"engine.device={cfg.engine.device!r} but no CUDA device is available")
@@ -116,9 +144,9 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
         if key not in loaded:
             shape = random_shape(lc.model)
             if shape is not None:
-                loaded[key] = random_loaded(shape, lc.dtype, device, lc.num_layers)
+                loaded[key] = random_loaded(shape, lc.dtype, device, lc.num_layers, tp)
             else:
-                loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers)
+                loaded[key] = load_model(lc.model, lc.dtype, device, lc.num_layers, tp)
         return loaded[key]
 
     def tables() -> BlockTables:

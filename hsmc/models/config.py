@@ -7,12 +7,12 @@ switched by these fields rather than three model files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from hsmc.errors import UnsupportedArchitectureError
+from hsmc.errors import ConfigError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -82,6 +82,26 @@ class DecoderConfig:
             inv_freq=tuple(inv_freq.tolist()),
             rope_attention_scaling=float(attention_scaling),
             eos_token_ids=eos_ids,
+        )
+
+    def shard(self, world_size: int, source: str) -> DecoderConfig:
+        """The layers one of `world_size` tensor-parallel ranks holds: its attention heads, KV heads and slice of
+        the MLP (hidden size and vocabulary stay whole); a ConfigError when one of them does not split evenly."""
+        sizes = {
+            "attention heads": self.num_heads,
+            "KV heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
+        for what, n in sizes.items():
+            if n % world_size:
+                raise ConfigError(
+                    f"engine.tensor_parallel={world_size}: {source} has {n} {what}, not divisible by {world_size}"
+                )
+        return replace(
+            self,
+            num_heads=self.num_heads // world_size,
+            num_kv_heads=self.num_kv_heads // world_size,
+            intermediate_size=self.intermediate_size // world_size,
         )
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hsmc.models.config import DecoderConfig
+from hsmc.models.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from hsmc.ops.backend import Backend, HeadLayout, Rope
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.kv_cache import KVCache
@@ -93,7 +94,8 @@ class Attention(nn.Module):
         qkv = backend.norm_linear(x, norm, self.qkv_proj) if norm is not None else backend.linear(x, self.qkv_proj)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         q = backend.qkv_to_cache(self.layer, qkv, self.heads, qk_norm, ctx.cache, ctx.batch, ctx.meta)
-        return backend.linear(backend.attend(self.layer, q, ctx.cache, ctx.batch, ctx.meta), self.o_proj, residual)
+        attended = backend.attend(self.layer, q, ctx.cache, ctx.batch, ctx.meta)
+        return ctx.tp.all_reduce(backend.linear(attended, self.o_proj, ctx.tp.lead(residual)))
 
 
 class MLP(nn.Module):
@@ -104,9 +106,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.register_state_dict_post_hook(_split_state_hook)
 
-    def forward(self, stream: torch.Tensor, norm: RMSNorm, backend: Backend) -> torch.Tensor:
+    def forward(self, stream: torch.Tensor, norm: RMSNorm, ctx: LayerContext) -> torch.Tensor:
         """stream + down_proj(silu(gate) * up) of gate_up_proj(norm(stream)): the stream after this block."""
-        return backend.silu_linear(backend.norm_linear(stream, norm, self.gate_up_proj), self.down_proj, stream)
+        gate_up = ctx.backend.norm_linear(stream, norm, self.gate_up_proj)
+        return ctx.tp.all_reduce(ctx.backend.silu_linear(gate_up, self.down_proj, ctx.tp.lead(stream)))
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class LayerContext:
     cache: KVCache
     backend: Backend
     meta: Any  # the backend's per-forward metadata
+    tp: TensorParallel = SINGLE  # a sharded model's group: o_proj and down_proj all-reduce their partial products
 
 
 class DecoderLayer(nn.Module):
@@ -130,13 +134,14 @@ class DecoderLayer(nn.Module):
     def forward(self, stream: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """The residual stream after this layer."""
         stream = self.self_attn(stream, ctx, self.input_layernorm, residual=stream)
-        return self.mlp(stream, self.post_attention_layernorm, ctx.backend)
+        return self.mlp(stream, self.post_attention_layernorm, ctx)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TensorParallel) -> None:
+        """`cfg`: the layers this rank holds (`DecoderConfig.shard`)."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -148,11 +153,14 @@ def last_positions(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TensorParallel = SINGLE, source: str = "the model") -> None:
+        """`tp`: the tensor-parallel group whose rank's shard this model holds (`hsmc.models.parallel`); `config`
+        stays the whole model's, `layer_config` is what this rank's layers (and KV cache) hold."""
         super().__init__()
-        self.config = cfg
-        self.model = Transformer(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.layer_config = cfg if tp.world_size == 1 else cfg.shard(tp.world_size, source)
+        self.model = Transformer(self.layer_config, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_rows(cfg.vocab_size), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False)
@@ -183,7 +191,7 @@ class DecoderLM(nn.Module):
         if any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture indices must lie in [0, {n - 1}] for a {n}-layer model, got {capture}")
         stream = self.model.embed_tokens(batch.tokens)
-        ctx = LayerContext(batch, cache, backend, backend.prepare(batch, self.rope, stream.dtype))
+        ctx = LayerContext(batch, cache, backend, backend.prepare(batch, self.rope, stream.dtype), self.tp)
         h = stream.shape[-1]
         features = stream.new_empty(*stream.shape[:-1], len(capture) * h) if capture else None
         for i, layer in enumerate(self.model.layers):
@@ -192,4 +200,5 @@ class DecoderLM(nn.Module):
             stream = layer(stream, ctx)
         if last_only:
             stream = last_positions(stream, batch)
-        return backend.norm_linear(stream, self.model.norm, self.lm_head), features
+        logits = backend.norm_linear(stream, self.model.norm, self.lm_head)
+        return self.tp.all_gather(logits, self.config.vocab_size), features

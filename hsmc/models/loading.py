@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from hsmc.errors import ModelLoadError
 from hsmc.models.config import DecoderConfig, check_architecture
 from hsmc.models.decoder import DecoderLM
+from hsmc.models.parallel import SINGLE, TensorParallel
 from hsmc.models.weight_loader import load_decoder
 from hsmc.ops.fp8_linear import QWEN_BLOCK
 
@@ -35,13 +36,18 @@ class LoadedModel:
 
 
 def load_model(
-    source: str, dtype: str = "float32", device: str | torch.device = "cpu", num_layers: int | None = None
+    source: str,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    num_layers: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """Load weights and tokenizer from `source` (see module docstring) onto `device`, shard by shard
     (`hsmc.models.weight_loader`); `dtype: fp8` quantizes the decoder layers' weights to block-scaled FP8.
 
     `num_layers` keeps only the first n decoder layers (with the final norm and LM head): a
-    layer-truncated copy of a model is a real, cheaper draft for it.
+    layer-truncated copy of a model is a real, cheaper draft for it. `tp`: the tensor-parallel rank whose shard
+    to load (`hsmc.models.parallel`).
     """
     from hsmc.models.tokenizer import load_tokenizer
 
@@ -49,7 +55,7 @@ def load_model(
         raise ModelLoadError(f"{source}: dtype {dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}", source)
     try:
         folder = resolve_folder(source)
-        model = _load_folder(folder, dtype, device, source, num_layers)
+        model = _load_folder(folder, dtype, device, source, num_layers, tp)
         return LoadedModel(model=model, tokenizer=load_tokenizer(folder), source=source)
     except ModelLoadError as e:
         e.source = e.source or source  # lets the caller name the level(s) that use this model
@@ -152,12 +158,12 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def _load_folder(
-    folder: Path, dtype: str, device: str | torch.device, source: str, num_layers: int | None
+    folder: Path, dtype: str, device: str | torch.device, source: str, num_layers: int | None, tp: TensorParallel
 ) -> DecoderLM:
     cfg = read_decoder_config(folder)
     quantize = QWEN_BLOCK if dtype == "fp8" else None
     return load_decoder(
-        folder, safetensors_files(folder), cfg, COMPUTE_DTYPES[dtype], device, source, num_layers, quantize
+        folder, safetensors_files(folder), cfg, COMPUTE_DTYPES[dtype], device, source, num_layers, quantize, tp
     )
 
 

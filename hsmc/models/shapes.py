@@ -18,6 +18,7 @@ from hsmc.errors import ConfigError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
 from hsmc.models.loading import COMPUTE_DTYPES, LoadedModel
+from hsmc.models.parallel import SINGLE, TensorParallel
 from hsmc.ops.fp8_linear import QWEN_BLOCK, layer_linears, quantize_fp8, swap_for_fp8
 
 RANDOM_PREFIX = "random:"
@@ -100,15 +101,17 @@ def random_shape(source: str) -> str | None:
     return name
 
 
-def random_loaded(shape: str, dtype: str, device: torch.device | str, num_layers: int | None = None) -> LoadedModel:
+def random_loaded(
+    shape: str, dtype: str, device: torch.device | str, num_layers: int | None = None, tp: TensorParallel = SINGLE
+) -> LoadedModel:
     """A level's model of a named shape with random weights (no tokenizer); `num_layers` keeps the first n;
-    dtype `fp8` gives the layout of Qwen's FP8 releases."""
+    dtype `fp8` gives the layout of Qwen's FP8 releases; `tp`: the tensor-parallel rank whose shard to draw."""
     cfg = DecoderConfig.from_hf(hf_config(shape), source=RANDOM_PREFIX + shape)
     if num_layers is not None:
         if not 0 < num_layers <= cfg.num_layers:
             raise ConfigError(f"{RANDOM_PREFIX}{shape}: num_layers={num_layers} but the shape has {cfg.num_layers}")
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
-    model = random_model(cfg, COMPUTE_DTYPES[dtype], device, fp8=dtype == "fp8")
+    model = random_model(cfg, COMPUTE_DTYPES[dtype], device, fp8=dtype == "fp8", tp=tp)
     return LoadedModel(model, None, RANDOM_PREFIX + shape)
 
 
@@ -121,13 +124,19 @@ def hf_config(shape: str) -> Any:
 
 @torch.no_grad()
 def random_model(
-    config: DecoderConfig, dtype: torch.dtype, device: torch.device | str, seed: int = 0, fp8: bool = False
+    config: DecoderConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    fp8: bool = False,
+    tp: TensorParallel = SINGLE,
 ) -> DecoderLM:
     """A DecoderLM of `config`'s shape with random weights drawn on `device`; `fp8` stores the decoder
     layers' Linears as Qwen's FP8 releases do (e4m3 + a scale per 128x128 block, bf16 elsewhere), each
-    quantized from its random `dtype` weight."""
+    quantized from its random `dtype` weight. A tensor-parallel rank (`tp`) draws its shard's shapes from the
+    same seed: a random model all the same, for timing."""
     with torch.device("meta"):
-        model = DecoderLM(config).to(dtype)  # cast on meta: nothing is allocated in fp32 first
+        model = DecoderLM(config, tp).to(dtype)  # cast on meta: nothing is allocated in fp32 first
     fp8_modules = (
         [swap_for_fp8(model, name, QWEN_BLOCK, "random model") for name in layer_linears(model)] if fp8 else []
     )

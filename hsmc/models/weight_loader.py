@@ -7,7 +7,8 @@ device at once and its CPU copy is dropped, so CPU memory peaks at about one sha
 open file) instead of the whole model, which for a 32B model is the difference between 65 GB of RAM and
 a few. Fused q/k/v and gate/up weights are assembled on the device as soon as all their parts have
 arrived; with `quantize_block` (a level's `dtype: fp8`) each decoder-layer Linear is block-quantized to
-FP8 on the device as it arrives; an FP8 checkpoint (Qwen's layout, `hsmc.ops.fp8_linear`) loads as is.
+FP8 on the device as it arrives; an FP8 checkpoint (Qwen's layout, `hsmc.ops.fp8_linear`) loads as is. A
+tensor-parallel rank reads only its slice of each tensor (`hsmc.models.sharding`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from torch import nn
 from hsmc.errors import ModelLoadError
 from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
+from hsmc.models.parallel import SINGLE, TensorParallel
+from hsmc.models.sharding import check_scale_blocks, read_shard
 from hsmc.ops.fp8_linear import FP8_DTYPE, Fp8Format, Fp8Linear, layer_linears, quantize_fp8, swap_for_fp8
 
 IGNORED_KEYS = ("rotary_emb.inv_freq",)
@@ -74,11 +77,13 @@ def load_decoder(
     source: str,
     num_layers: int | None = None,
     quantize_block: tuple[int, int] | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> DecoderLM:
     """A DecoderLM with `dtype` activations on `device` from the shards `files` of `folder`.
 
     `num_layers` keeps the first n decoder layers; `quantize_block` quantizes an unquantized
-    checkpoint's decoder-layer Linears to FP8 with that scale block.
+    checkpoint's decoder-layer Linears to FP8 with that scale block; `tp`: the tensor-parallel rank whose shard
+    to load.
     """
     device = torch.device(device)
     fmt = fp8_format(folder)
@@ -90,8 +95,8 @@ def load_decoder(
         k: f for k, f in header_keys(files).items() if not k.endswith(IGNORED_KEYS) and layer_index(k) < cfg.num_layers
     }
     with torch.device("meta"):
-        model = DecoderLM(cfg).to(dtype)
-    quantized = _use_fp8(model, keys, fmt, quantize_block if fmt is None else None, device, source)
+        model = DecoderLM(cfg, tp, source).to(dtype)
+    quantized = _use_fp8(model, keys, fmt, quantize_block if fmt is None else None, device, source, tp)
     targets = _targets(model, quantized)
     missing, unexpected = sorted(set(targets) - set(keys)), sorted(set(keys) - set(targets))
     if missing or unexpected:
@@ -105,7 +110,7 @@ def load_decoder(
         with safe_open(f, "pt") as st:
             for key in st.keys():
                 if key in targets:
-                    _place(targets[key], st.get_tensor(key).to(device), dtype, pending)
+                    _place(targets[key], read_shard(st, key, tp).to(device), dtype, pending)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
@@ -128,6 +133,7 @@ def _use_fp8(
     quantize_block: tuple[int, int] | None,
     device: torch.device,
     source: str,
+    tp: TensorParallel,
 ) -> set[nn.Module]:
     """Swap each decoder-layer Linear for an Fp8Linear where the checkpoint stores it in FP8 (its weight
     has a `weight_scale_inv`) or where `quantize_block` asks for it; returns the modules quantized here."""
@@ -142,6 +148,8 @@ def _use_fp8(
         block = fmt.block if all(scaled) and fmt is not None else quantize_block
         if block is None:
             continue
+        if all(scaled) and tp.world_size > 1:
+            check_scale_blocks(name, model.get_submodule(name), block, tp, source)
         fp8 = swap_for_fp8(model, name, block, source)
         swapped = True
         if not all(scaled):

@@ -86,8 +86,10 @@ class Backend(Protocol):
         """linear(rms_norm(stream)): the norm before q/k/v, gate/up and the LM head."""
         ...
 
-    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
-        """residual + linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension (the residual is
+    def silu_linear(
+        self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[residual +] linear(silu(gate) * up) for gate_up = [gate | up] along the last dimension (the residual is
         consumed, as in `linear`)."""
         ...
 
@@ -206,9 +208,11 @@ class TorchBackend:
     def norm_linear(self, stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
         return linear(rms_norm_reference(stream, norm.weight, norm.eps))
 
-    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    def silu_linear(
+        self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return residual + linear(F.silu(gate) * up)
+        return self.linear(F.silu(gate) * up, linear, residual)
 
     def qkv_to_cache(
         self,

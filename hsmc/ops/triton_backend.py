@@ -57,7 +57,9 @@ class TritonBackend:
     def norm_linear(self, stream: torch.Tensor, norm: RMSNormWeight, linear: nn.Module) -> torch.Tensor:
         return run_route(_plan(stream, linear, norm_fed=True), stream, linear, norm=(norm.weight, norm.eps))
 
-    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    def silu_linear(
+        self, gate_up: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return run_route(_plan(gate_up, linear), gate_up, linear, silu_mul=True, residual=residual)
 
     def qkv_to_cache(

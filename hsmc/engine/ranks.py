@@ -1,0 +1,172 @@
+"""The processes of a tensor-parallel stack (`engine.tensor_parallel: N`): rank 0 and its followers.
+
+SPMD, as in gpt-fast: every rank builds the same stack (its shard of every model) and runs the same request driver.
+Rank 0 is the user's process: it owns the requests and the host side, and once per driver turn broadcasts that
+turn's control inputs (the requests it took, with their resolved parameters and seeds; cancellations; the stack's
+graph mode) over a gloo group (`Ranks.broadcast`). Followers apply them and run the same turn; everything after
+that is identical on every rank by construction (the all-reduced activations and all-gathered logits are the same
+bits everywhere, and every draw comes from the rows' seeded streams), so no device result is ever sent between
+ranks and followers drop their outputs. Ranks are spawned here (`start_ranks`), or come from `torchrun`'s
+environment. The device collectives run on the default group: NCCL on CUDA, gloo on the CPU.
+
+The group outlives a decoder: a closed decoder hands its ranks back to the process's `RankPool` (one per process,
+as torch's default group is), the next decoder of the same size leases them and sends the followers its config,
+and the group ends with the process. Starting ranks costs seconds (each imports torch and hsmc), loading a
+stack on them only what its shards take.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hsmc.errors import ConfigError, HsmcError
+from hsmc.models.parallel import TensorParallel
+
+STARTUP_TIMEOUT = timedelta(minutes=30)  # of the device group (joining waits for every rank to start)
+IDLE_TIMEOUT = timedelta(days=365)  # followers wait on the control group as long as rank 0 has no request
+
+
+@dataclass
+class Ranks:
+    """This process's rank in a running tensor-parallel group, and the group's control channel."""
+
+    tp: TensorParallel
+    control: Any  # the gloo group rank 0 broadcasts control inputs on
+    threads: int  # torch's CPU threads before joining (the ranks of a CPU group share the cores)
+    device: str  # the device type: cuda or cpu
+    followers: list[BaseProcess] = field(default_factory=list)  # the processes rank 0 spawned
+
+    @property
+    def leader(self) -> bool:
+        return self.tp.rank == 0
+
+    def broadcast(self, message: Any = None) -> Any:
+        """Rank 0's `message` on every rank (followers pass nothing and wait for it)."""
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def check(self, error: BaseException | None) -> None:
+        """Every rank reports how building its stack went (`error`: its own failure); if one failed, every rank
+        raises: its own error, or the first failing rank's as an HsmcError."""
+        errors: list[str | None] = [None] * self.tp.world_size
+        dist.all_gather_object(errors, None if error is None else str(error), group=self.control)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise HsmcError(f"tensor-parallel rank {failed[0][0]}: {failed[0][1]}")
+
+    def close(self) -> None:
+        """End the group; rank 0 first tells the followers to stop (`broadcast(None)` where they wait for a
+        config)."""
+        if self.leader:
+            self.broadcast(None)
+        self.leave()
+
+    def leave(self) -> None:
+        """Destroy this process's groups and wait for the followers it spawned."""
+        dist.destroy_process_group()
+        torch.set_num_threads(self.threads)
+        for p in self.followers:
+            p.join()
+
+
+class RankPool:
+    """The group this process leads while no decoder uses it, so that the next decoder of the same size and
+    device type starts in the time its shards take to load."""
+
+    def __init__(self) -> None:
+        self.idle: Ranks | None = None
+
+    def lease(self, world_size: int, device: str, follow: Callable[..., None]) -> Ranks:
+        """The idle group if it fits, else a new one (`start_ranks`; the idle one ends first)."""
+        idle, self.idle = self.idle, None
+        if idle is not None and (idle.tp.world_size, idle.device) == (world_size, torch.device(device).type):
+            return idle
+        if idle is not None:
+            idle.close()
+        return start_ranks(world_size, device, follow)
+
+    def give_back(self, ranks: Ranks) -> None:
+        """A decoder is done with its ranks (its followers wait for the next config)."""
+        self.close()
+        self.idle = ranks
+
+    def close(self) -> None:
+        if self.idle is not None:
+            self.idle.close()
+            self.idle = None
+
+
+POOL = RankPool()
+atexit.register(POOL.close)  # the followers end with this process
+
+
+def check_world(world_size: int, device: str) -> None:
+    """One-line errors for a tensor_parallel the machine cannot run."""
+    if world_size < 1:
+        raise ConfigError(f"engine.tensor_parallel={world_size} must be >= 1")
+    if device.startswith("cuda") and world_size > max(1, torch.cuda.device_count()):  # no GPU: build_stack says so
+        raise ConfigError(
+            f"engine.tensor_parallel={world_size} but {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+
+
+def start_ranks(world_size: int, device: str, follow: Callable[..., None], args: tuple[Any, ...] = ()) -> Ranks:
+    """Join (under torchrun) or start the group of `world_size` ranks on `device`'s type; this process is rank 0
+    unless torchrun says otherwise. Spawned followers run `follow(rank, world_size, init_method, device, *args)`."""
+    check_world(world_size, device)
+    if dist.is_initialized():
+        raise HsmcError("a tensor-parallel decoder is already running in this process: close() it first")
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise ConfigError(
+                f"engine.tensor_parallel={world_size} but torchrun started {os.environ['WORLD_SIZE']} processes"
+            )
+        return join(int(os.environ["RANK"]), world_size, "env://", device)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = mp.get_context("spawn")
+    followers = [
+        context.Process(target=follow, args=(rank, world_size, init_method, device, *args), daemon=True)
+        for rank in range(1, world_size)
+    ]
+    for p in followers:
+        p.start()
+    ranks = join(0, world_size, init_method, device)
+    ranks.followers = followers
+    return ranks
+
+
+def join(rank: int, world_size: int, init_method: str, device: str) -> Ranks:
+    """Enter the group as `rank`: the default group carries the device collectives (NCCL on CUDA, each rank on its
+    own GPU; gloo on the CPU, where each rank takes its share of torch's threads: ranks that each spin on all the
+    cores wait for one another's collectives about 10x longer), a gloo group the control broadcasts."""
+    cuda = device.startswith("cuda")
+    threads = torch.get_num_threads()
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, threads // world_size))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return Ranks(TensorParallel(rank, world_size), control, threads, torch.device(device).type)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
