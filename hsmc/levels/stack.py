@@ -25,6 +25,7 @@ from hsmc.levels.eagle3 import Eagle3Level
 from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.smc import SMCLevel, SMCParams
+from hsmc.levels.tree import TreeShape
 from hsmc.models.loading import LoadedModel, load_model
 from hsmc.models.shapes import SHAPES, random_loaded, random_shape
 from hsmc.ops.backend import Backend, TorchBackend
@@ -179,10 +180,12 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
             levels.append(ModelLevel(state, laws, streams, salt))
         elif lc.kind == "rejection":
             drafts_for_rejection = i + 1 < len(cfg.levels) and cfg.levels[i + 1].kind == "rejection"
+            tree = None if lc.tree is None else TreeShape(lc.tree.depth, lc.tree.topk, lc.tree.budget)
             levels.append(
                 RejectionLevel(
                     state, below, lc.num_draft_tokens, laws, streams, salt,
-                    graph_rounds=graphs and not drafts_for_rejection,
+                    graph_rounds=graphs and not drafts_for_rejection and tree is None, tree=tree,
+                    tree_rule=lc.tree_rule,
                 )
             )  # fmt: skip
         else:

@@ -26,6 +26,16 @@ import torch
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """What a rejection level drafts (config `tree`): `budget` nodes, at most `depth` deep, `topk` children per
+    expanded node and `topk` nodes expanded per depth."""
+
+    depth: int
+    topk: int
+    budget: int
+
+
+@dataclass(frozen=True)
 class Tree:
     """Draft trees of R rows, N nodes each (node 0 the root)."""
 
@@ -119,12 +129,13 @@ def path(tree: Tree, seen: torch.Tensor, node: torch.Tensor, max_depth: int) -> 
 
 
 def tree_mask(seen: torch.Tensor, start: torch.Tensor, max_context: int) -> torch.Tensor:
-    """Attention mask [R, T, max_context] of a forward whose T new tokens are tree nodes placed at columns
-    start..start+T-1 (`seen` [R, T, T]: which new tokens each one sees): the prefix and the node's ancestors."""
+    """Attention mask [R, T, max_context] of T new tokens that are tree nodes, after a prefix of start[i] columns
+    and a block of W tree nodes at columns start..start+W-1 (the new ones among them): `seen` [R, T, W] says which
+    block columns each new token sees (its ancestors and itself)."""
     cols = torch.arange(max_context, device=start.device)
     prefix = cols[None, None, :] < start[:, None, None]
     offset = cols[None, :] - start[:, None]  # [R, L]
-    t = seen.shape[-1]
-    inside = (offset >= 0) & (offset < t)
-    block = seen.gather(2, offset.clamp(0, t - 1)[:, None, :].expand(-1, seen.shape[1], -1))
+    width = seen.shape[-1]
+    inside = (offset >= 0) & (offset < width)
+    block = seen.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(-1, seen.shape[1], -1))
     return prefix | (inside[:, None, :] & block)
