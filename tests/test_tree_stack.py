@@ -45,3 +45,71 @@ def test_tree_at_temperature_zero_equals_verifier_greedy(target, rule, draft_t):
     accepted = results[0].stats["levels"][1]["mean_accepted_length"]
     assert 1.0 < accepted < 5.0, "drafts should be partly accepted"
     assert_pools_empty(decoder)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small-tree")
+    return (
+        make_tiny_model("llama", root / "draft", seed=3, vocab_size=VOCAB, eos_token_id=5),
+        make_tiny_model("llama", root / "target", seed=4, vocab_size=VOCAB, eos_token_id=5),
+    )
+
+
+@pytest.mark.parametrize("rule", ["draft_aware"])  # target_only: at the rule level (test_tree_verify.py)
+def test_tree_stack_is_lossless_in_distribution(small_vocab, rule):
+    draft, target = small_vocab
+    prompt, n_samples = [1, 4, 2], 20_000
+    decoder = _tree_stack(draft, target, 0.8, 1.0, rule, depth=2, topk=2, budget=4, max_batch_rows=2500)
+    results = decoder.generate([prompt] * n_samples, max_new_tokens=3, ignore_eos=True, seed=11)
+    samples = [tuple(r.token_ids) for r in results]
+    assert _chi2_pvalue(samples, _exact_first_tokens(target, prompt, 3)) > 1e-3
+    assert _chi2_pvalue(samples, _exact_first_tokens(draft, prompt, 3)) < 1e-6  # power
+    assert results[0].stats["levels"][1]["mean_accepted_length"] > 1.2, "the trees' drafts should be used"
+    assert_pools_empty(decoder)
+
+
+@pytest.mark.parametrize("rule", ["target_only", "draft_aware"])
+def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
+    """After every round of random trees and acceptances: the pool's invariants hold, each row's verifier KV is
+    exactly its sequence but the pending token (the rejected branches' slots are free), and the verifier's KV
+    entries are those of the sequence (its next logits equal transformers' over the whole sequence)."""
+    from helpers import hf_logits, make_state
+    from transformers import AutoModelForCausalLM
+
+    from hsmc.engine.kv_pool import check_invariants
+    from hsmc.engine.random_streams import RowStreams
+    from hsmc.engine.sampler import RowLaws
+    from hsmc.levels.model import ModelLevel
+    from hsmc.levels.rejection import RejectionLevel
+    from hsmc.levels.tree import TreeShape
+    from hsmc.models.loading import load_model
+
+    draft_path, target_path = small_vocab
+    cpu, n_rows = torch.device("cpu"), 6
+    streams = RowStreams(n_rows, cpu)
+    streams.seed(torch.arange(n_rows), torch.arange(n_rows) + 7, torch.zeros(n_rows, dtype=torch.int64))
+    drafter = ModelLevel(
+        make_state(load_model(str(draft_path)).model, n_rows, 512), RowLaws(1.0, n_rows, cpu), streams, 1
+    )
+    verifier = make_state(load_model(str(target_path)).model, n_rows, 512)
+    shape = TreeShape(depth=3, topk=3, budget=7)
+    level = RejectionLevel(verifier, drafter, 0, RowLaws(1.0, n_rows, cpu), streams, 0, tree=shape, tree_rule=rule)
+    rows = torch.arange(n_rows)
+    level.load_prompts(rows, [[1, 4, 2], [3], [0, 1, 2, 3, 4], [2, 2], [5, 1, 0], [4]])
+    level.prefill(rows)
+    tables = verifier.runner.tables
+    for _ in range(8):
+        level.step(rows)
+        check_invariants(tables.allocator, [tables])
+        check_invariants(drafter.state.runner.tables.allocator, [drafter.state.runner.tables])
+        assert (tables.length[rows] == verifier.seq_len[rows] - 1).all()
+        assert tables.allocator.num_slots - tables.allocator.num_free() == int(tables.length.sum())
+    assert level.stats()["mean_accepted_length"] > 1.2
+    hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    logits = verifier.forward(rows, last_only=True).logits[:, 0]
+    for row in rows.tolist():
+        expected = hf_logits(hf, verifier.seq[row, : int(verifier.seq_len[row])].tolist())[-1]
+        assert (logits[row] - expected).abs().max() < 1e-4, row
+    level.release(rows)
+    assert tables.allocator.num_free() == tables.allocator.num_slots
