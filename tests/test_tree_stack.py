@@ -113,3 +113,30 @@ def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
         assert (logits[row] - expected).abs().max() < 1e-4, row
     level.release(rows)
     assert tables.allocator.num_free() == tables.allocator.num_slots
+
+
+def test_tree_level_under_smc_hands_up_its_own_model_probabilities(small_vocab):
+    """[model, tree rejection, smc] with the smc target equal to the rejection level's model and α = 1: the
+    proposal is the target itself, so every weight is zero — the log-probabilities handed up along the accepted
+    paths are the verifier's own (the SMC proposal law is unchanged by the tree)."""
+    draft, target = small_vocab
+    decoder = HierarchicalDecoder.from_config(
+        {
+            "levels": [
+                {"kind": "model", "model": str(draft), "temperature": 1.0},
+                {
+                    "kind": "rejection",
+                    "model": str(target),
+                    "temperature": 1.0,
+                    "tree": {"depth": 3, "topk": 2, "budget": 5},
+                    "tree_rule": "draft_aware",
+                },
+                {"kind": "smc", "model": str(target), "temperature": 1.0, "particles": 4, "block_size": 3},
+            ],
+            "engine": {"kv_capacity_tokens": 8192, "max_batch_rows": 16},
+        }
+    )
+    for result in decoder.generate([[1, 2, 0]] * 3, max_new_tokens=10, ignore_eos=True):
+        assert max(abs(p.log_weight) for p in result.smc.particles) < 1e-4
+    assert decoder.stack.levels[1].stats()["mean_accepted_length"] > 1.2
+    assert_pools_empty(decoder)

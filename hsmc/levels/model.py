@@ -96,6 +96,7 @@ class ModelLevel:
 
         tree = grow(root, _tree_law(law, root_logits), expand, shape.depth, shape.topk, shape.budget, noise)
         runner.tables.truncate(rows, start, max_drop=(shape.depth - 1) * shape.topk)
+        self.proposed = shape.depth  # the accepted path: at most `depth` tokens past the root
         return tree
 
     def step(self, rows: torch.Tensor) -> Emission:
