@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from hsmc.engine.graphs import GraphParts, HostField
 from hsmc.engine.random_streams import DRAW, RowStreams, purpose_of
-from hsmc.engine.sampler import Law, RowLaws
+from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput, masked_accept
-from hsmc.levels.tree import Tree, TreeShape, ancestors, grow, tree_mask
-from hsmc.ops.counter_hash import combine, gumbel
+from hsmc.levels.tree import Tree, TreeShape, frontier_batch, grow, keyed_noise, tree_law
 
 
 class ModelLevel:
@@ -54,47 +51,25 @@ class ModelLevel:
         )
 
     def propose_tree(self, rows: torch.Tensor, shape: TreeShape, sampled: bool) -> Tree:
-        """Each depth's frontier runs as one forward of its nodes (RoPE by depth, each seeing the prefix and its
-        ancestors among the nodes run before it); those KV entries are rolled back at the end, so the accepted
-        path is processed again with the next round's first forward, as a chain's last draft is."""
+        """Each depth's frontier runs as one forward of its nodes (`frontier_batch`); those KV entries are rolled
+        back at the end, so the accepted path is processed again with the next round's first forward, as a
+        chain's last draft is."""
         law = self.laws.at(rows)
         root_logits = self.state.forward(rows, last_only=True).logits[:, 0]
         state, runner = self.state, self.state.runner
         start = state.kv_len[rows]  # the first node's column and the position of the first draft
-        root = state.seq[rows, start - 1]
-        run: list[torch.Tensor] = []  # the nodes in the KV past `start`, in column order
+        run = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)  # nodes in the KV past the root
 
         def expand(tree: Tree, frontier: torch.Tensor) -> torch.Tensor:
-            run.append(frontier)
-            nodes = torch.cat(run, 1)
-            seen = ancestors(tree, shape.depth)
-            index = torch.arange(len(rows), device=rows.device)[:, None, None]
-            block = seen[index, frontier[:, :, None], nodes[:, None, :]]  # [R, m, W]: frontier -> run nodes
-            width = frontier.shape[1]
+            nonlocal run
             with state.timer():
-                batch = runner.new_tokens(
-                    rows,
-                    tree.tokens.gather(1, frontier),
-                    torch.full_like(rows, width),
-                    state.len_bound + nodes.shape[1],
-                )
-                batch = replace(
-                    batch,
-                    positions=start[:, None] - 1 + tree.depth.gather(1, frontier),
-                    mask=tree_mask(block, start, batch.max_context),
-                )
-                logits, _ = runner.forward(batch)
-            return _tree_law(law, logits)
+                logits, _ = runner.forward(frontier_batch(runner, rows, tree, frontier, run, state.len_bound))
+            run = torch.cat([run, frontier], 1)
+            return tree_law(law, logits)
 
-        noise = None
-        if sampled:
-            vocab = root_logits.shape[-1]
-
-            def noise(depth: int, parents: torch.Tensor) -> torch.Tensor:
-                keys = self.streams.keys(rows, self.draw, start + depth - 1)
-                return gumbel(combine(keys[:, None], parents), vocab)
-
-        tree = grow(root, _tree_law(law, root_logits), expand, shape.depth, shape.topk, shape.budget, noise)
+        noise = keyed_noise(self.streams, rows, self.draw, start, root_logits.shape[-1]) if sampled else None
+        root = state.seq[rows, start - 1]
+        tree = grow(root, tree_law(law, root_logits), expand, shape.depth, shape.topk, shape.budget, noise)
         runner.tables.truncate(rows, start, max_drop=(shape.depth - 1) * shape.topk)
         self.proposed = shape.depth  # the accepted path: at most `depth` tokens past the root
         return tree
@@ -137,9 +112,3 @@ class ModelLevel:
 
     def stats(self) -> dict[str, float]:
         return {"forward_seconds": self.state.timer.seconds(), "forwards": self.state.timer.count}
-
-
-def _tree_law(law: Law, logits: torch.Tensor) -> torch.Tensor:
-    """The drafter's log-law of a node's children: log p' (what children drawn without replacement follow), or
-    for a greedy drafter log_softmax(ℓ), which ranks its top-k children."""
-    return torch.log_softmax(logits.float(), -1) if law.greedy else law.log_probs(logits)

@@ -20,9 +20,18 @@ A chain of γ drafts is the tree of depth γ and top-k 1.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+from hsmc.ops.batch import ForwardBatch
+from hsmc.ops.counter_hash import combine, gumbel
+
+if TYPE_CHECKING:
+    from hsmc.engine.random_streams import RowStreams
+    from hsmc.engine.runner import ModelRunner
+    from hsmc.engine.sampler import Law
 
 
 @dataclass(frozen=True)
@@ -139,3 +148,38 @@ def tree_mask(seen: torch.Tensor, start: torch.Tensor, max_context: int) -> torc
     inside = (offset >= 0) & (offset < width)
     block = seen.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(-1, seen.shape[1], -1))
     return prefix | (inside[:, None, :] & block)
+
+
+def frontier_batch(
+    runner: ModelRunner, rows: torch.Tensor, tree: Tree, frontier: torch.Tensor, run: torch.Tensor, bound: int
+) -> ForwardBatch:
+    """A drafter's forward of the frontier nodes [R, m], appended to its KV after the nodes it ran before in this
+    tree (`run` [R, W], in column order, right after the root): each at RoPE position root + depth, seeing the
+    prefix and its ancestors among them. `bound`: the rows' host-known length bound before the tree."""
+    nodes = torch.cat([run, frontier], 1)
+    seen = ancestors(tree, tree.size)
+    index = torch.arange(len(rows), device=rows.device)[:, None, None]
+    block = seen[index, frontier[:, :, None], nodes[:, None, :]]  # [R, m, W + m]
+    width = frontier.shape[1]
+    batch = runner.new_tokens(
+        rows, tree.tokens.gather(1, frontier), torch.full_like(rows, width), bound + nodes.shape[1]
+    )
+    first = batch.start - run.shape[1]  # the column after the root
+    positions = first[:, None] - 1 + tree.depth.gather(1, frontier)
+    return replace(batch, positions=positions, mask=tree_mask(block, first, batch.max_context))
+
+
+def tree_law(law: Law, logits: torch.Tensor) -> torch.Tensor:
+    """A drafter's log-law of a node's children: log p' (what children drawn without replacement follow), or for a
+    greedy drafter log_softmax(ℓ), which ranks its top-k children."""
+    return torch.log_softmax(logits.float(), -1) if law.greedy else law.log_probs(logits)
+
+
+def keyed_noise(streams: RowStreams, rows: torch.Tensor, purpose: int, start: torch.Tensor, vocab: int) -> Noise:
+    """Gumbel noise of the children of `parents` at depth d, keyed by (row, purpose, position start + d - 1,
+    parent): no two nodes of a tree share a draw, and a round never reuses one the kept tokens depend on."""
+
+    def noise(depth: int, parents: torch.Tensor) -> torch.Tensor:
+        return gumbel(combine(streams.keys(rows, purpose, start + depth - 1)[:, None], parents), vocab)
+
+    return noise
