@@ -275,8 +275,8 @@ def _tree_problems(tree: TreeConfig, rule: str, below: LevelConfig | None, key: 
         yield f"{key}.tree.budget", f"={tree.budget} exceeds the {most} nodes a tree of this depth and topk drafts"
     if rule not in TREE_RULES:
         yield f"{key}.tree_rule", f"={rule!r} is not one of {', '.join(TREE_RULES)}"
-    if below is not None and below.kind != "model":
-        yield f"{key}.tree", f": trees are drafted by a 'model' level for now, not by {below.kind!r}"
+    if below is not None and below.kind not in ("model", "eagle3"):
+        yield f"{key}.tree", f": trees are drafted by a 'model' or 'eagle3' level, not by {below.kind!r}"
     if below is not None and rule == "draft_aware" and below.temperature <= 0:
         yield (
             f"{key}.tree_rule",

@@ -140,3 +140,42 @@ def test_tree_level_under_smc_hands_up_its_own_model_probabilities(small_vocab):
         assert max(abs(p.log_weight) for p in result.smc.particles) < 1e-4
     assert decoder.stack.levels[1].stats()["mean_accepted_length"] > 1.2
     assert_pools_empty(decoder)
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    from test_eagle_checkpoint import published_layout
+    from test_eagle_level import SIZES
+
+    root = tmp_path_factory.mktemp("tree-eagle")
+    verifier = make_tiny_model("llama", root / "verifier", seed=2)
+    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=(*SIZES, 101, 40), scale=0.3)
+    return head, verifier
+
+
+def _levels(drafter: dict, verifier, **rejection) -> HierarchicalDecoder:
+    levels = [drafter, {"kind": "rejection", "model": str(verifier), "temperature": 0.0, **rejection}]
+    return HierarchicalDecoder.from_config({"levels": levels, "engine": {"kv_capacity_tokens": 4096}})
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_top_k_one_tree_drafts_and_keeps_what_the_greedy_chain_does(target, eagle, kind):
+    """A greedy drafter's tree of top-k 1 is its greedy chain: the same drafts, so the same kept counts, through
+    the tree's masked forwards (the EAGLE3 head fed its parents' outputs, the verifier's features along the path)."""
+    head, verifier = eagle
+    if kind == "model":
+        drafter, verifier = {"kind": "model", "model": str(target), "num_layers": 3}, target
+    else:
+        drafter = {"kind": "eagle3", "model": str(head)}
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3]]
+    chain = _levels(drafter, verifier, num_draft_tokens=3)
+    tree = _levels(drafter, verifier, tree={"depth": 3, "topk": 1, "budget": 3})
+    wide = _levels(drafter, verifier, tree={"depth": 4, "topk": 3, "budget": 12})
+    results = [d.generate(prompts, max_new_tokens=20, ignore_eos=True) for d in (chain, tree, wide)]
+    for prompt, *outputs in zip(prompts, *results):
+        assert all(o.token_ids == _hf_greedy(verifier, prompt, 20) for o in outputs)
+    counts = [r[0].stats["levels"][1]["mean_accepted_length"] for r in results]
+    assert counts[0] == counts[1]
+    assert counts[2] >= counts[0]
+    for decoder in (chain, tree, wide):
+        assert_pools_empty(decoder)

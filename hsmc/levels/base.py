@@ -304,19 +304,19 @@ class SequenceState(TokenRows):
 
     def forward_tree(
         self, rows: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, seen: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits [R, N, V] of tree nodes tokens [R, N] appended to the KV after it (the rows' pending tokens
-        first, then each row's last one as node 0, the root): node n sits at RoPE position root + depth[n] and sees
-        the prefix and its ancestors (`seen` [R, N, N])."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, N, V] (and captured features) of tree nodes tokens [R, N] appended to the KV (the rows'
+        pending tokens first, then each row's last one as node 0, the root): node n sits at RoPE position root +
+        depth[n] and sees the prefix and its ancestors (`seen` [R, N, N])."""
         self.forward(rows, leave_last=True)  # tokens before the root, if any wait
         n = tokens.shape[1]
         with self.timer():
             batch = self.runner.new_tokens(rows, tokens, torch.full_like(rows, n), self.len_bound + n)
             mask = tree_mask(seen, batch.start, batch.max_context)
             batch = replace(batch, positions=batch.start[:, None] + depth, mask=mask)
-            logits, _ = self.runner.forward(batch)
+            out = self.runner.forward(batch)
         self.pending_bound = 0
-        return logits
+        return out
 
     def pending(self, rows: torch.Tensor, leave: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's KV length, how many of its tokens past it wait for a forward (all but the last `leave`),

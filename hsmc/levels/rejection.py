@@ -268,7 +268,8 @@ class RejectionLevel:
         start = base - 1  # the root's column in the verifier's KV
         seen = ancestors(tree, shape.depth)
         law = self.laws.at(rows)
-        logp = law.log_probs(self.state.forward_tree(rows, tree.tokens, tree.depth, seen).float())  # [R, N, V]
+        logits, features = self.state.forward_tree(rows, tree.tokens, tree.depth, seen)
+        logp = law.log_probs(logits.float())  # [R, N, V]
         nodes = torch.arange(tree.size, device=rows.device)
         u = uniform(combine(self.streams.keys(rows, self.accept_purpose, start[:, None] + tree.depth), nodes)).float()
         node, residual = verify_tree(tree.parent, tree.tokens, logp.exp(), tree.logq.exp() if draft_aware else None, u)
@@ -283,8 +284,12 @@ class RejectionLevel:
         for state in (self.state, self.drafter.state):
             state.place(rows, base, drafts)
         along = torch.cat([torch.zeros_like(node[:, None]), on_path], 1)  # the root, then the path
-        path_logp = logp[torch.arange(len(rows), device=rows.device)[:, None], along]  # [R, depth + 1, V]
-        self._settle(rows, base, drafts, accepted, token, path_logp, active, tree.size, None)
+        index = torch.arange(len(rows), device=rows.device)[:, None]
+        path_logp = logp[index, along]  # [R, depth + 1, V]
+        step = None
+        if self.drafter.feature_layers:  # the verifier's features at the root and the path, as a chain's verify
+            step = StepOutput(path_logp, torch.full_like(base, shape.depth + 1), start, features[index, along])
+        self._settle(rows, base, drafts, accepted, token, path_logp, active, tree.size, step)
         return accepted, path_logp
 
     def _settle(

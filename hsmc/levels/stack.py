@@ -160,6 +160,8 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
                     "wherever p_T^alpha > 0): put a rejection level between the head and the smc level"
                 )
             block = above.block_size if above.kind == "smc" else above.num_draft_tokens
+            if above.kind == "rejection" and above.tree is not None:
+                block = above.tree.depth
             pairs, bridged = block + 1, len(cfg.levels) - 2  # one per level above the verifier
             levels.append(
                 Eagle3Level(
