@@ -171,9 +171,25 @@ def test_top_k_one_tree_drafts_and_keeps_what_the_greedy_chain_does(target, eagl
     chain = _levels(drafter, verifier, num_draft_tokens=3)
     tree = _levels(drafter, verifier, tree={"depth": 3, "topk": 1, "budget": 3})
     wide = _levels(drafter, verifier, tree={"depth": 4, "topk": 3, "budget": 12})
+    drafts = {"chain": [], "tree": []}
+    propose, propose_tree = chain.stack.levels[0].propose, tree.stack.levels[0].propose_tree
+
+    def chain_drafts(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        drafts["chain"].append(proposal.tokens.clone())
+        return proposal
+
+    def tree_drafts(*args, **kwargs):
+        grown = propose_tree(*args, **kwargs)
+        drafts["tree"].append(grown.tokens[:, 1:].clone())
+        return grown
+
+    chain.stack.levels[0].propose, tree.stack.levels[0].propose_tree = chain_drafts, tree_drafts
     results = [d.generate(prompts, max_new_tokens=20, ignore_eos=True) for d in (chain, tree, wide)]
     for prompt, *outputs in zip(prompts, *results):
         assert all(o.token_ids == _hf_greedy(verifier, prompt, 20) for o in outputs)
+    assert len(drafts["chain"]) == len(drafts["tree"]) > 5
+    assert all((c == t).all() for c, t in zip(drafts["chain"], drafts["tree"]))
     counts = [r[0].stats["levels"][1]["mean_accepted_length"] for r in results]
     assert counts[0] == counts[1]
     assert counts[2] >= counts[0]
