@@ -1,0 +1,78 @@
+"""Accepted length per verify of a chain and of draft trees (target_only, draft_aware) at the same budget.
+
+    python scripts/tree_acceptance.py [--questions 50] [--budgets 8 16 32] [--temperatures 0 1]
+
+[eagle3 head, rejection SmolLM2] on the first GSM8K test questions (the shipped head and the offline SmolLM2 of
+configs/demo.yaml): each row verifies `budget` drafts per round — a chain of γ = budget, or a tree of that budget
+(depth and top-k from --shapes). draft_aware draws its children from the head's law, so at T = 0 the head samples
+at T = 1 (the verifier stays greedy). Prints one row per (T, budget, drafting): mean accepted length per verify
+(tokens emitted per round) and tokens/s on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from hsmc.decoder import HierarchicalDecoder
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K_TEST = ROOT / "evals" / "data" / "gsm8k_test.jsonl"
+HEAD = ROOT / "assets" / "eagle3-smollm2-135m-instruct"
+SHAPES = {8: (4, 3), 16: (5, 4), 32: (6, 6)}  # budget -> (depth, topk)
+
+
+def drafting(kind: str, budget: int, temperature: float) -> tuple[float, dict]:
+    """(head temperature, rejection level keys) of one way to draft `budget` tokens per verify."""
+    if kind == "chain":
+        return temperature, {"num_draft_tokens": budget}
+    depth, topk = SHAPES[budget]
+    head_t = temperature if temperature > 0 or kind == "target_only" else 1.0
+    return head_t, {"tree": {"depth": depth, "topk": topk, "budget": budget}, "tree_rule": kind}
+
+
+def run(head: str, verifier: str, kind: str, budget: int, temperature: float, questions: list[str], new_tokens: int):
+    head_t, rejection = drafting(kind, budget, temperature)
+    levels = [
+        {"kind": "eagle3", "model": head, "dtype": "bfloat16", "temperature": head_t},
+        {"kind": "rejection", "model": verifier, "temperature": temperature, **rejection},
+    ]
+    decoder = HierarchicalDecoder.from_config(
+        {"levels": levels, "engine": {"kv_capacity_tokens": 16384, "max_batch_rows": len(questions)}}
+    )
+    start = time.perf_counter()
+    results = decoder.generate(questions, max_new_tokens=new_tokens, seed=0)
+    rate = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+    return results[0].stats["levels"][-1]["mean_accepted_length"], rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head", default=str(HEAD))
+    parser.add_argument("--verifier", default="smollm2-135m-instruct")
+    parser.add_argument("--questions", type=int, default=50)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32], choices=sorted(SHAPES))
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    args = parser.parse_args()
+    lines = GSM8K_TEST.read_text().splitlines()[: args.questions]
+    questions = [json.loads(line)["question"] for line in lines]
+    print(
+        f"device: CPU ({platform.machine()}, {torch.get_num_threads()} threads); {len(questions)} GSM8K test "
+        f"questions, {args.new_tokens} new tokens; tree shapes (depth, topk) by budget: {SHAPES}"
+    )
+    print(f"{'T':>4} {'budget':>6} {'drafting':<12} {'accepted/verify':>15} {'tok/s':>6}")
+    for temperature in args.temperatures:
+        for budget in args.budgets:
+            for kind in ("chain", "target_only", "draft_aware"):
+                accepted, rate = run(args.head, args.verifier, kind, budget, temperature, questions, args.new_tokens)
+                print(f"{temperature:>4.1f} {budget:>6} {kind:<12} {accepted:>15.2f} {rate:>6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
