@@ -51,6 +51,16 @@ class LevelConfig:
     resampling: str = "systematic"  # smc: systematic | multinomial
     selection: str = "sample"  # smc: sample | argmax
 
+    @property
+    def path_length(self) -> int:
+        """rejection: most drafts one round keeps (γ, or a tree's depth)."""
+        return self.num_draft_tokens if self.tree is None else self.tree.depth
+
+    @property
+    def verify_positions(self) -> int:
+        """rejection: positions one verify forward runs (γ + 1, or a tree's budget + 1), in the KV until it ends."""
+        return self.num_draft_tokens + 1 if self.tree is None else self.tree.budget + 1
+
 
 @dataclass
 class GenerationConfig:

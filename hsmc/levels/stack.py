@@ -159,9 +159,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None) -
                     "tokens; an smc proposal must be able to propose every token (importance weights need q > 0 "
                     "wherever p_T^alpha > 0): put a rejection level between the head and the smc level"
                 )
-            block = above.block_size if above.kind == "smc" else above.num_draft_tokens
-            if above.kind == "rejection" and above.tree is not None:
-                block = above.tree.depth
+            block = above.block_size if above.kind == "smc" else above.path_length
             pairs, bridged = block + 1, len(cfg.levels) - 2  # one per level above the verifier
             levels.append(
                 Eagle3Level(
