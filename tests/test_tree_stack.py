@@ -195,3 +195,25 @@ def test_top_k_one_tree_drafts_and_keeps_what_the_greedy_chain_does(target, eagl
     assert counts[2] >= counts[0]
     for decoder in (chain, tree, wide):
         assert_pools_empty(decoder)
+
+
+def test_tree_level_drafting_for_another_rejection_level_hands_up_its_path(target):
+    """[model, tree rejection (target cut to 3 layers), rejection target at T = 0]: the tree level's output along
+    its accepted paths (and its model's distributions there) are the drafts the top verifies."""
+    draft = {"kind": "model", "model": str(target), "temperature": 1.0, "num_layers": 2}
+    middle = {
+        "kind": "rejection",
+        "model": str(target),
+        "temperature": 1.0,
+        "num_layers": 3,
+        "tree": {"depth": 3, "topk": 2, "budget": 5},
+        "tree_rule": "draft_aware",
+    }
+    top = {"kind": "rejection", "model": str(target), "temperature": 0.0, "num_draft_tokens": 5}
+    decoder = HierarchicalDecoder.from_config({"levels": [draft, middle, top], "engine": {"kv_capacity_tokens": 8192}})
+    prompts = [[5, 9, 13], [7] * 11]
+    results = decoder.generate(prompts, max_new_tokens=20, ignore_eos=True)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == _hf_greedy(target, prompt, 20)
+    assert results[0].stats["levels"][1]["mean_accepted_length"] > 1.2
+    assert_pools_empty(decoder)
