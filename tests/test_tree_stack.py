@@ -217,3 +217,16 @@ def test_tree_level_drafting_for_another_rejection_level_hands_up_its_path(targe
         assert result.token_ids == _hf_greedy(target, prompt, 20)
     assert results[0].stats["levels"][1]["mean_accepted_length"] > 1.2
     assert_pools_empty(decoder)
+
+
+def test_draft_aware_keeps_every_child_drawn_from_the_verifiers_own_law(target):
+    """A drafter that is the verifier (q = p at T = 1): draft_aware keeps its first child at every node, so a
+    chain-shaped tree is always kept whole; target_only, blind to q, keeps a top-k child only with probability p."""
+    shape = {"depth": 4, "topk": 1, "budget": 4}
+    accepted = {}
+    for rule in ("draft_aware", "target_only"):
+        decoder = _tree_stack(target, target, 1.0, 1.0, rule, **shape)
+        results = decoder.generate([[5, 9, 13], [7] * 11], max_new_tokens=30, ignore_eos=True)
+        accepted[rule] = results[0].stats["levels"][1]["mean_accepted_length"]
+    assert accepted["draft_aware"] == 5.0
+    assert accepted["target_only"] < 2.0
