@@ -7,6 +7,11 @@ correction is drawn from norm(max(0, p_i − q_i)); if all are kept a bonus come
 At T = 0 drafts are kept while they equal argmax p_i, and the argmax follows. Rows advance by
 different amounts; rejected positions are rolled back in both models' KV.
 
+With `tree` the drafter grows a draft tree instead (`hsmc.levels.tree`) and ONE verifier forward runs its
+nodes under a tree mask; the walk of `tree_rule` (`hsmc.speculative.tree_verify`) keeps a path and draws the token
+after it, and the path's KV is moved to the front of the tree's block before the usual rollback (docs/design.md,
+"Tree drafting"). A round then emits 1..depth+1 tokens, as a chain of γ = depth does.
+
 Tokens emitted beyond what the level above asked for are buffered in `seq` (surplus). The
 log-probability handed upward is the verifier's own log_softmax(ℓ/T) at each emitted token.
 
