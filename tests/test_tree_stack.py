@@ -73,7 +73,8 @@ def test_tree_stack_is_lossless_in_distribution(small_vocab, rule):
 def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
     """After every round of random trees and acceptances: the pool's invariants hold, each row's verifier KV is
     exactly its sequence but the pending token (the rejected branches' slots are free), and the verifier's KV
-    entries are those of the sequence (its next logits equal transformers' over the whole sequence)."""
+    entries are those of the sequence (its next logits equal transformers' over the whole sequence). One verifier
+    forward per round."""
     from helpers import hf_logits, make_state
     from transformers import AutoModelForCausalLM
 
@@ -99,6 +100,7 @@ def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
     level.load_prompts(rows, [[1, 4, 2], [3], [0, 1, 2, 3, 4], [2, 2], [5, 1, 0], [4]])
     level.prefill(rows)
     tables = verifier.runner.tables
+    forwards = verifier.timer.count
     for _ in range(8):
         level.step(rows)
         check_invariants(tables.allocator, [tables])
@@ -106,6 +108,7 @@ def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
         assert (tables.length[rows] == verifier.seq_len[rows] - 1).all()
         assert tables.allocator.num_slots - tables.allocator.num_free() == int(tables.length.sum())
     assert level.stats()["mean_accepted_length"] > 1.2
+    assert verifier.timer.count - forwards == 8, "one verifier forward per round"
     hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     logits = verifier.forward(rows, last_only=True).logits[:, 0]
     for row in rows.tolist():

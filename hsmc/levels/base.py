@@ -298,9 +298,11 @@ class SequenceState(TokenRows):
         logits, features = self._run(rows, tokens, count, last_only)
         return StepOutput(logits, count, start, features)
 
-    def place(self, rows: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor) -> None:
+    def place(self, rows: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor, processed: bool = False) -> None:
+        """`processed`: the tokens are in the KV already (a verifier's accepted path); else they wait for a forward."""
         super().place(rows, start, tokens)
-        self.pending_bound += tokens.shape[1]  # the placed tokens past the KV wait for a forward
+        if not processed:
+            self.pending_bound += tokens.shape[1]
 
     def forward_tree(
         self, rows: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, seen: torch.Tensor

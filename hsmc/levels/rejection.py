@@ -286,8 +286,8 @@ class RejectionLevel:
         kept = seen.gather(1, node[:, None, None].expand(-1, 1, tree.size))[:, 0]  # the root and the path
         self.state.runner.tables.permute(rows, start, torch.where(kept, tree.depth, tree.size + nodes).argsort(-1))
         drafts = tree.tokens.gather(1, on_path)
-        for state in (self.state, self.drafter.state):
-            state.place(rows, base, drafts)
+        self.state.place(rows, base, drafts, processed=True)
+        self.drafter.state.place(rows, base, drafts)
         along = torch.cat([torch.zeros_like(node[:, None]), on_path], 1)  # the root, then the path
         index = torch.arange(len(rows), device=rows.device)[:, None]
         path_logp = logp[index, along]  # [R, depth + 1, V]
