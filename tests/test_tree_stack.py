@@ -74,7 +74,7 @@ def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
     """After every round of random trees and acceptances: the pool's invariants hold, each row's verifier KV is
     exactly its sequence but the pending token (the rejected branches' slots are free), and the verifier's KV
     entries are those of the sequence (its next logits equal transformers' over the whole sequence). One verifier
-    forward per round."""
+    forward per round, one drafter forward per depth."""
     from helpers import hf_logits, make_state
     from transformers import AutoModelForCausalLM
 
@@ -100,7 +100,7 @@ def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
     level.load_prompts(rows, [[1, 4, 2], [3], [0, 1, 2, 3, 4], [2, 2], [5, 1, 0], [4]])
     level.prefill(rows)
     tables = verifier.runner.tables
-    forwards = verifier.timer.count
+    forwards, draft_forwards = verifier.timer.count, drafter.state.timer.count
     for _ in range(8):
         level.step(rows)
         check_invariants(tables.allocator, [tables])
@@ -109,6 +109,7 @@ def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
         assert tables.allocator.num_slots - tables.allocator.num_free() == int(tables.length.sum())
     assert level.stats()["mean_accepted_length"] > 1.2
     assert verifier.timer.count - forwards == 8, "one verifier forward per round"
+    assert drafter.state.timer.count - draft_forwards == 8 * shape.depth, "one drafter forward per depth"
     hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     logits = verifier.forward(rows, last_only=True).logits[:, 0]
     for row in rows.tolist():
