@@ -57,8 +57,17 @@ def _naive_walk(parent: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor, q: 
     return cur, residual / residual.sum(-1, keepdim=True)
 
 
-def _decode(rule: str, temperature: float, walk=verify_tree, depth: int = 3, topk: int = 2, budget: int = 6,
-            tokens: int = TOKENS, samples: int = SAMPLES, seed: int = 1):  # fmt: skip
+def _decode(
+    rule: str,
+    temperature: float,
+    walk=verify_tree,
+    depth: int = 3,
+    topk: int = 2,
+    budget: int = 6,
+    tokens: int = TOKENS,
+    samples: int = SAMPLES,
+    seed: int = 1,
+):
     """Rounds of grow + verify over `samples` rows until each has `tokens` tokens: [samples, tokens], and the mean
     number of drafts kept per round."""
     target, draft = _tables()

@@ -448,8 +448,8 @@ def test_tree_verify_forward_through_triton_equals_the_reference(tmp_path):
 
     model = load_model(str(make_tiny_model("qwen3", tmp_path / "m", seed=4))).model.to(DEVICE)
     parent = torch.tensor([[0, 0, 0, 1, 2, 3]], device=DEVICE)
-    tree = Tree(parent, torch.tensor([[13, 2, 7, 4, 4, 9]], device=DEVICE),
-                torch.tensor([[0, 1, 1, 2, 2, 3]], device=DEVICE), None)  # fmt: skip
+    tokens = torch.tensor([[13, 2, 7, 4, 4, 9]], device=DEVICE)
+    tree = Tree(parent, tokens, torch.tensor([[0, 1, 1, 2, 2, 3]], device=DEVICE), None)
     rows, seen = torch.tensor([0], device=DEVICE), ancestors(tree, 3)
     outputs = []
     for backend in (TritonBackend(), TorchBackend()):
@@ -457,7 +457,8 @@ def test_tree_verify_forward_through_triton_equals_the_reference(tmp_path):
         state.runner.backend = backend
         state.load_prompts(rows, [[5, 9, 13]])
         state.forward(rows, leave_last=True, last_only=True)
-        outputs.append(state.forward_tree(rows, tree.tokens, tree.depth, seen)[0])
+        logits, _ = state.forward_tree(rows, tree.tokens, tree.depth, seen)
+        outputs.append(logits[0])
     assert (outputs[0] - outputs[1]).abs().max() <= 1e-4
     plain = make_state(model, 2, 64)
     plain.load_prompts(rows, [[5, 9, 13, 2, 4, 9]])  # the prompt, then the path of node 5 (tokens 2, 4, 9)
