@@ -51,7 +51,8 @@ class Tree:
     parent: torch.Tensor  # int64 [R, N]; the root is its own parent
     tokens: torch.Tensor  # int64 [R, N]; the root's entry is the row's last token
     depth: torch.Tensor  # int64 [R, N]; the root is at depth 0
-    logq: torch.Tensor  # float [R, N, V]: the drafter's law of each node's children (-inf where never expanded)
+    logq: torch.Tensor | None  # float [R, N, V]: the drafter's law of each node's children (-inf where never
+    # expanded); None in the trees `grow` hands to `expand` while it grows
 
     @property
     def size(self) -> int:
@@ -64,10 +65,10 @@ Expand = Callable[[Tree, torch.Tensor], torch.Tensor]
 Noise = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def draw_children(logq: torch.Tensor, k: int, gumbel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_children(logq: torch.Tensor, k: int, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """k children per law logq [..., V]: the top-k tokens, or with Gumbel noise k draws without replacement
     (Gumbel-top-k, in draw order); and the slot log-probabilities (the k largest of logq, descending)."""
-    scores = logq if gumbel is None else logq + gumbel
+    scores = logq if noise is None else logq + noise
     return scores.topk(k, dim=-1).indices, logq.topk(k, dim=-1).values
 
 
@@ -93,12 +94,18 @@ def grow(
     parent = torch.zeros(rows, 1, dtype=torch.int64, device=device)
     tokens, depths = root[:, None], torch.zeros_like(parent)
     scores = torch.zeros(rows, 1, device=device)
-    logq = root_logq[:, None].float()
-    frontier, frontier_logq = parent, logq  # ids [R, m] and their laws [R, m, V]
+    # the laws of the expanded nodes only (entry 0: none, all -inf; 1: the root's); `law` maps each node to its own
+    laws = [root_logq.new_full((rows, 1, vocab), float("-inf")), root_logq[:, None].float()]
+    law = torch.ones_like(parent)
+    frontier, frontier_logq = parent, laws[1]  # ids [R, m] and their laws [R, m, V]
     for d in range(1, depth + 1):
         if d > 1:
-            frontier_logq = expand(Tree(parent, tokens, depths, logq), frontier).float()
-            logq = logq.index_put((index, frontier), frontier_logq)
+            frontier_logq = expand(Tree(parent, tokens, depths, None), frontier).float()
+            first_law = sum(part.shape[1] for part in laws)
+            law = law.scatter(
+                1, frontier, first_law + torch.arange(frontier.shape[1], device=device).expand_as(frontier)
+            )
+            laws.append(frontier_logq)
         child_tokens, slot_logq = draw_children(frontier_logq, topk, None if noise is None else noise(d, frontier))
         child_scores = (scores.gather(1, frontier)[:, :, None] + slot_logq).flatten(1)
         first = tokens.shape[1]
@@ -106,15 +113,14 @@ def grow(
         tokens = torch.cat([tokens, child_tokens.flatten(1)], 1)
         depths = torch.cat([depths, torch.full_like(child_tokens.flatten(1), d)], 1)
         scores = torch.cat([scores, child_scores], 1)
-        logq = torch.cat([logq, logq.new_full((rows, child_scores.shape[1], vocab), float("-inf"))], 1)
+        law = torch.cat([law, torch.zeros_like(child_tokens.flatten(1))], 1)
         frontier = first + _best(child_scores, topk)
     keep = _best(scores[:, 1:], budget).sort(-1).values + 1  # creation order: topological, siblings in order
     keep = torch.cat([torch.zeros_like(keep[:, :1]), keep], 1)
     new_ids = torch.arange(keep.shape[1], device=device).expand_as(keep)
     renumber = torch.zeros_like(parent).scatter_(1, keep, new_ids)
-    return Tree(
-        renumber.gather(1, parent.gather(1, keep)), tokens.gather(1, keep), depths.gather(1, keep), logq[index, keep]
-    )
+    logq = torch.cat(laws, 1)[index, law.gather(1, keep)]
+    return Tree(renumber.gather(1, parent.gather(1, keep)), tokens.gather(1, keep), depths.gather(1, keep), logq)
 
 
 def ancestors(tree: Tree, max_depth: int) -> torch.Tensor:
