@@ -25,6 +25,16 @@ ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass
+class TreeConfig:
+    depth: int = 4  # deepest draft
+    topk: int = 2  # children per expanded node, nodes expanded per depth
+    budget: int = 8  # drafts verified per round (the best by cumulative draft log-probability)
+
+
+TREE_RULES = ("target_only", "draft_aware")
+
+
+@dataclass
 class LevelConfig:
     kind: str = "model"  # model | eagle3 | rejection | smc, listed bottom (cheapest) to top
     model: str = MISSING  # hub id | local folder | .gguf path | demo short name (eagle3: the head's folder/id)
@@ -32,12 +42,24 @@ class LevelConfig:
     temperature: float = 0.0
     num_layers: int | None = None  # keep only the first n decoder layers (a cheap self-draft)
     num_draft_tokens: int = 4  # rejection: γ drafts verified per cycle
+    tree: TreeConfig | None = None  # rejection: draft trees of this shape instead of chains (see docs/design.md)
+    tree_rule: str = "target_only"  # rejection with a tree: target_only | draft_aware
     particles: int = 4  # smc: N
     block_size: int = 4  # smc: K proposal tokens per cycle (0 = target-only sampling)
     alpha: float = 1.0  # smc: target is p_T^alpha
     ess_threshold: float = 0.5  # smc: resample when ESS < τ·N (0 disables)
     resampling: str = "systematic"  # smc: systematic | multinomial
     selection: str = "sample"  # smc: sample | argmax
+
+    @property
+    def path_length(self) -> int:
+        """rejection: most drafts one round keeps (γ, or a tree's depth)."""
+        return self.num_draft_tokens if self.tree is None else self.tree.depth
+
+    @property
+    def verify_positions(self) -> int:
+        """rejection: positions one verify forward runs (γ + 1, or a tree's budget + 1), in the KV until it ends."""
+        return self.num_draft_tokens + 1 if self.tree is None else self.tree.budget + 1
 
 
 @dataclass
@@ -231,6 +253,8 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
             yield f"{key}.num_layers", f" must be positive, got {level.num_layers}"
         if level.kind == "rejection" and level.num_draft_tokens <= 0:
             yield f"{key}.num_draft_tokens", f" must be positive, got {level.num_draft_tokens}"
+        if level.kind == "rejection" and level.tree is not None:
+            yield from _tree_problems(level.tree, level.tree_rule, cfg.levels[i - 1] if i else None, key)
         yield from _position_problems(cfg.levels, i)
         if level.kind == "smc":
             yield from _smc_problems(level, cfg.levels[i - 1], i)
@@ -261,6 +285,25 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
     ):
         if value <= 0:
             yield key, f" must be positive, got {value}"
+
+
+def _tree_problems(tree: TreeConfig, rule: str, below: LevelConfig | None, key: str) -> Iterator[tuple[str, str]]:
+    for name in ("depth", "topk", "budget"):
+        if getattr(tree, name) <= 0:
+            yield f"{key}.tree.{name}", f" must be positive, got {getattr(tree, name)}"
+    most = tree.topk + (tree.depth - 1) * tree.topk**2
+    if tree.budget > most:
+        yield f"{key}.tree.budget", f"={tree.budget} exceeds the {most} nodes a tree of this depth and topk drafts"
+    if rule not in TREE_RULES:
+        yield f"{key}.tree_rule", f"={rule!r} is not one of {', '.join(TREE_RULES)}"
+    if below is not None and below.kind not in ("model", "eagle3"):
+        yield f"{key}.tree", f": trees are drafted by a 'model' or 'eagle3' level, not by {below.kind!r}"
+    if below is not None and rule == "draft_aware" and below.temperature <= 0:
+        yield (
+            f"{key}.tree_rule",
+            "='draft_aware' draws children without replacement from the drafter's law: the level below needs "
+            f"temperature > 0, got {below.temperature}",
+        )
 
 
 def _position_problems(levels: list[LevelConfig], i: int) -> Iterator[tuple[str, str]]:

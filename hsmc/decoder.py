@@ -149,7 +149,7 @@ class HierarchicalDecoder:
 
         stack = self.stack
         top = stack.configs[-1]
-        per_step = {"smc": top.block_size + 1, "rejection": top.num_draft_tokens + 1}.get(top.kind, 1)
+        per_step = {"smc": top.block_size + 1, "rejection": top.path_length + 1}.get(top.kind, 1)
         vocab = self.vocab_size
         most = stack.max_rows // stack.rows_per_prompt
         batches: list[tuple[int, int, int, int | None]] = [

@@ -129,19 +129,22 @@ def test_model_top_reads_once_per_decode_step(models):
 
 
 @pytest.mark.parametrize(
-    "draft_t,hierarchy",
-    [(0.0, False), (0.8, False), (0.8, True)],
-    ids=["greedy-drafts", "sampled-drafts", "over-rejection"],
+    "draft_t,variant",
+    [(0.0, "chain"), (0.8, "chain"), (0.8, "hierarchy"), (0.8, "tree")],
+    ids=["greedy-drafts", "sampled-drafts", "over-rejection", "draft-aware-tree"],
 )
-def test_rejection_top_reads_once_per_verify_cycle(models, draft_t, hierarchy):
-    """Also for a rejection level drafting from another: the lower one runs a host-known number of cycles."""
+def test_rejection_top_reads_once_per_verify_cycle(models, draft_t, variant):
+    """Also for a rejection level drafting from another: the lower one runs a host-known number of cycles; and
+    for a draft tree (grown, verified and its path kept on the device)."""
     draft, target = models
     levels = [
         {"kind": "model", "model": str(draft), "temperature": draft_t},
         {"kind": "rejection", "model": str(target), "temperature": 0.8, "num_draft_tokens": 3},
     ]
-    if hierarchy:
+    if variant == "hierarchy":
         levels.insert(1, {"kind": "rejection", "model": str(draft), "temperature": 0.9, "num_draft_tokens": 2})
+    if variant == "tree":
+        levels[1].update(tree={"depth": 3, "topk": 2, "budget": 5}, tree_rule="draft_aware")
     decoder = HierarchicalDecoder.from_config({"levels": levels})
     short_reads, short_steps = reads_and_steps(decoder, PROMPTS, 6)
     long_reads, long_steps = reads_and_steps(decoder, PROMPTS, 30)
@@ -187,6 +190,7 @@ SMC = {"kind": "smc", "temperature": 1.0, "particles": 4, "block_size": 3, "ess_
 SMC_STACKS = {
     "model-smc": ["model:draft"],
     "model-rejection-smc": ["model:draft", "rejection:draft2"],
+    "model-tree-rejection-smc": ["model:draft", "tree:draft2"],
     "model-rejection-rejection-smc": ["model:draft", "rejection:draft2", "rejection:draft"],
     "eagle3-rejection-smc": ["eagle3:head", "rejection:draft"],
     "eagle3-smc": ["eagle3:head"],
@@ -216,13 +220,17 @@ def smc_models(tmp_path_factory, models):
 
 
 def stack_levels(parts: list[str], models: dict, gamma: int) -> list[dict]:
-    """Level configs from "kind:model" parts at T = 1; rejection levels draft `gamma` tokens."""
+    """Level configs from "kind:model" parts at T = 1; rejection levels draft `gamma` tokens ("tree": a rejection
+    level drafting draft-aware trees of depth `gamma`)."""
     levels = []
     for part in parts:
         kind, model = part.split(":")
         levels.append({"kind": kind, "model": str(models[model]), "temperature": 1.0})
         if kind == "rejection":
             levels[-1]["num_draft_tokens"] = gamma
+        if kind == "tree":
+            tree = {"depth": gamma, "topk": 2, "budget": 2 * gamma}
+            levels[-1].update(kind="rejection", tree=tree, tree_rule="draft_aware")
     return levels
 
 

@@ -50,6 +50,7 @@ def _levels(*levels):
 
 
 M = {"kind": "model", "model": "m", "temperature": 1.0}
+TREE = {"kind": "rejection", "model": "t", "tree": {"depth": 3, "topk": 2, "budget": 4}}
 
 
 @pytest.mark.parametrize(
@@ -70,6 +71,11 @@ M = {"kind": "model", "model": "m", "temperature": 1.0}
         (_levels({"kind": "eagle3", "model": "h"}, M), "directly under a rejection or smc level"),
         (_levels({"kind": "eagle3", "model": "h"}), "directly under a rejection or smc level"),
         (_levels(M, {"kind": "eagle3", "model": "h"}), r"levels\[1\].kind='eagle3' drafts at the bottom"),
+        (_levels(M, {**TREE, "tree": {"depth": 0}}), r"levels\[1\].tree.depth must be positive"),
+        (_levels(M, {**TREE, "tree": {"depth": 2, "topk": 2, "budget": 7}}), r"levels\[1\].tree.budget=7 exceeds"),
+        (_levels(M, {**TREE, "tree_rule": "spectr"}), r"levels\[1\].tree_rule='spectr' is not one of"),
+        (_levels({**M, "temperature": 0.0}, {**TREE, "tree_rule": "draft_aware"}), r"levels\[1\].tree_rule=.*> 0"),
+        (_levels(M, {"kind": "rejection", "model": "r"}, TREE), r"levels\[2\].tree: trees are drafted by"),
     ],
 )
 def test_invalid_stacks(cfg, message):

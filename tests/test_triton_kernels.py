@@ -438,6 +438,35 @@ def test_greedy_rejection_stack_through_triton_equals_the_reference(tmp_path):
     assert [r.token_ids for r in outputs[0]] == [r.token_ids for r in outputs[1]]
 
 
+def test_tree_verify_forward_through_triton_equals_the_reference(tmp_path):
+    """A draft tree's verify forward: its nodes attend under a tree mask in the Triton paged attention (RoPE
+    positions by depth); logits equal the reference backend's, and each node's equal a plain forward of the prompt
+    followed by its path."""
+    from helpers import make_state
+
+    from hsmc.levels.tree import Tree, ancestors
+
+    model = load_model(str(make_tiny_model("qwen3", tmp_path / "m", seed=4))).model.to(DEVICE)
+    parent = torch.tensor([[0, 0, 0, 1, 2, 3]], device=DEVICE)
+    tokens = torch.tensor([[13, 2, 7, 4, 4, 9]], device=DEVICE)
+    tree = Tree(parent, tokens, torch.tensor([[0, 1, 1, 2, 2, 3]], device=DEVICE), None)
+    rows, seen = torch.tensor([0], device=DEVICE), ancestors(tree, 3)
+    outputs = []
+    for backend in (TritonBackend(), TorchBackend()):
+        state = make_state(model, 2, 64)
+        state.runner.backend = backend
+        state.load_prompts(rows, [[5, 9, 13]])
+        state.forward(rows, leave_last=True, last_only=True)
+        logits, _ = state.forward_tree(rows, tree.tokens, tree.depth, seen)
+        outputs.append(logits[0])
+    assert (outputs[0] - outputs[1]).abs().max() <= 1e-4
+    plain = make_state(model, 2, 64)
+    plain.load_prompts(rows, [[5, 9, 13, 2, 4, 9]])  # the prompt, then the path of node 5 (tokens 2, 4, 9)
+    path_logits = plain.forward(rows).logits[0]
+    for node, column in ((0, 2), (1, 3), (3, 4), (5, 5)):  # the root sits at the prompt's last column
+        assert (outputs[1][node] - path_logits[column]).abs().max() <= 1e-4, node
+
+
 def test_backends_agree_on_the_device_steps_around_a_forward():
     """The Triton backend's row steps equal `TorchBackend`'s (the reference) on the same state: pending tokens and
     appended tokens, KV slots appended and rolled back, greedy draws, float64 log-sum-exps."""

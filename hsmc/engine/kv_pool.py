@@ -132,6 +132,15 @@ class BlockTables:
         """Cut each row back to at most new_length[i] tokens (rows already shorter keep theirs)."""
         self.backend.rollback_slots(self, rows, new_length, max_drop, to_length=True)
 
+    def permute(self, rows: torch.Tensor, start: torch.Tensor, order: torch.Tensor) -> None:
+        """Column start[i] + j of row rows[i] takes the slot of column start[i] + order[i, j] (order [R, W] a
+        permutation of 0..W-1 over columns the row holds): a draft tree's accepted path moved to the front of its
+        block, no KV byte moved and no refcount changed (a truncate then frees the rest)."""
+        columns = torch.arange(order.shape[1], device=order.device)
+        src = (start[:, None] + order).clamp_max(self.max_row_tokens)
+        dst = (start[:, None] + columns).clamp_max(self.max_row_tokens)
+        self.table[rows[:, None], dst] = self.table[rows[:, None], src]
+
     def release(self, rows: torch.Tensor, max_len: int | None = None) -> None:
         """Give up every slot of `rows` (each at most `max_len` long, when given); they become empty rows."""
         table, owned = self._owned(rows, max_len)

@@ -56,7 +56,7 @@ def reserve_bytes(cfg: HsmcConfig, vocab_size: int, largest_fp8_weight: int = 0,
     bytes per logit, the cycle graphs' pool holds 15-18 (its 2-3 captured shapes fit each other's blocks
     imperfectly), together 23-25 against the 24 reserved for a cycle. A warmup (`engine.warmup`) captures every batch
     size's: `WARMUP_LOGIT_COPIES` more."""
-    rounds = [c.num_draft_tokens + 1 for c in cfg.levels if c.kind == "rejection"]  # a verify's positions
+    rounds = [c.verify_positions for c in cfg.levels if c.kind == "rejection"]  # a verify's positions
     cycles = [c.block_size + 1 for c in cfg.levels if c.kind == "smc"]
     positions = LOGIT_COPIES * max([1, *rounds, *cycles])
     if cfg.engine.resolved_cuda_graphs:

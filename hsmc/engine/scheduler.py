@@ -102,10 +102,10 @@ def lookahead_tokens(levels: Sequence[LevelConfig]) -> int:
     """Drafts not yet verified, SMC blocks not yet weighed, the surplus a rejection level buffers while it
     fills an SMC block, and the step (cycle) the driver runs past a row's (group's) end while it reads the
     previous one (see `hsmc.engine.driver`); finished SMC particles ride along with their group."""
-    rejection = sum(c.num_draft_tokens + 1 for c in levels if c.kind == "rejection")
+    rejection = sum(c.verify_positions for c in levels if c.kind == "rejection")
     top = levels[-1]
     fill = top.block_size if top.kind == "smc" and len(levels) > 1 and levels[-2].kind == "rejection" else 0
-    overlap = {"smc": top.block_size + 1, "rejection": top.num_draft_tokens + 1}.get(top.kind, 1)
+    overlap = {"smc": top.block_size + 1, "rejection": top.path_length + 1}.get(top.kind, 1)
     return rejection + fill + overlap + sum(c.block_size + 1 for c in levels if c.kind == "smc")
 
 

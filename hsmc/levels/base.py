@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -38,6 +38,7 @@ from hsmc.engine.host_io import upload
 from hsmc.engine.runner import ModelRunner
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.block_fill import BlockFill
+from hsmc.levels.tree import Tree, TreeShape, tree_mask
 from hsmc.ops.backend import Backend, TorchBackend, sequence_window
 
 
@@ -92,6 +93,12 @@ class Level(Protocol):
         ...
 
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal: ...
+    def propose_tree(self, rows: torch.Tensor, shape: TreeShape, sampled: bool) -> Tree:
+        """A draft tree per row after its last token (`hsmc.levels.tree.grow`): children drawn without replacement
+        with `sampled`, else the top-k. The level's KV is left as before it (the accepted path is placed in `state`
+        before the `accept` that follows)."""
+        ...
+
     def commit(self, rows: torch.Tensor, n: int) -> None: ...
     def accept(
         self,
@@ -174,6 +181,13 @@ class TokenRows:
         self.seq[rows, keep_len.clamp_max(self.capacity)] = next_token
         self.seq_len[rows] = keep_len + 1
         self.len_bound += 1
+
+    def place(self, rows: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor) -> None:
+        """seq[row, start + j] = tokens[i, j] without changing the length: a draft tree's accepted path, which
+        the `truncate` after it keeps (up to its accepted length)."""
+        columns = (start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp_max(self.capacity)
+        self.seq[rows[:, None], columns] = tokens
+        self.len_bound += tokens.shape[1]
 
     def window(self, rows: torch.Tensor, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
         """seq[row, start + j] for j < count (0 past it): [R, width]."""
@@ -283,6 +297,28 @@ class SequenceState(TokenRows):
             return _empty_step(rows, count, start)
         logits, features = self._run(rows, tokens, count, last_only)
         return StepOutput(logits, count, start, features)
+
+    def place(self, rows: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor, processed: bool = False) -> None:
+        """`processed`: the tokens are in the KV already (a verifier's accepted path); else they wait for a forward."""
+        super().place(rows, start, tokens)
+        if not processed:
+            self.pending_bound += tokens.shape[1]
+
+    def forward_tree(
+        self, rows: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, seen: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, N, V] (and captured features) of tree nodes tokens [R, N] appended to the KV (the rows'
+        pending tokens first, then each row's last one as node 0, the root): node n sits at RoPE position root +
+        depth[n] and sees the prefix and its ancestors (`seen` [R, N, N])."""
+        self.forward(rows, leave_last=True)  # tokens before the root, if any wait
+        n = tokens.shape[1]
+        with self.timer():
+            batch = self.runner.new_tokens(rows, tokens, torch.full_like(rows, n), self.len_bound + n)
+            mask = tree_mask(seen, batch.start, batch.max_context)
+            batch = replace(batch, positions=batch.start[:, None] + depth, mask=mask)
+            out = self.runner.forward(batch)
+        self.pending_bound = 0
+        return out
 
     def pending(self, rows: torch.Tensor, leave: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's KV length, how many of its tokens past it wait for a forward (all but the last `leave`),

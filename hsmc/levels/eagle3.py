@@ -26,6 +26,7 @@ from hsmc.engine.runner import ModelRunner
 from hsmc.engine.sampler import RowLaws
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.base import Proposal, StepOutput, TokenRows, masked_accept
+from hsmc.levels.tree import Tree, TreeShape, frontier_batch, grow, keyed_noise, tree_law
 
 
 class Eagle3Level:
@@ -117,6 +118,38 @@ class Eagle3Level:
         self.state.append(rows, drafts)
         self.proposed = k
         return Proposal(drafts, torch.stack(logq, 1), torch.stack(logprobs, 1) if logprobs else None)
+
+    def propose_tree(self, rows: torch.Tensor, shape: TreeShape, sampled: bool) -> Tree:
+        """EAGLE-2's dynamic tree: the root's law is the head's output at the last pair; each depth's frontier
+        runs as one head forward (`frontier_batch`), every node fed its parent's pre-norm output as a chain's draft
+        step is. The provisional KV entries are rolled back by the next `accept`, as a chain's are."""
+        law = self.laws.at(rows)
+        start = self.state.seq_len[rows]  # the first draft's position
+        outputs = self.last_hidden[rows][:, None]  # [R, nodes so far, H]: each node's pre-norm output
+        run = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)  # nodes in the head's KV
+
+        def expand(tree: Tree, frontier: torch.Tensor) -> torch.Tensor:
+            nonlocal run, outputs
+            parents = tree.parent.gather(1, frontier)
+            hidden = outputs.gather(1, parents[:, :, None].expand(-1, -1, outputs.shape[-1]))
+            batch = frontier_batch(self.runner, rows, tree, frontier, run, self.state.len_bound)
+            with self.timer():
+                out, logits = self.runner.forward(
+                    batch, embeds=self.embed(batch.tokens).to(hidden.dtype), hidden=hidden
+                )
+            outputs = torch.cat(
+                [outputs, outputs.new_zeros(len(rows), tree.size - outputs.shape[1], outputs.shape[-1])], 1
+            )
+            outputs = outputs.scatter(1, frontier[:, :, None].expand_as(out), out)
+            run = torch.cat([run, frontier], 1)
+            return tree_law(law, self._full_vocab(logits))
+
+        root_logq = tree_law(law, self.last_logits[rows])
+        noise = keyed_noise(self.streams, rows, self.draw, start, root_logq.shape[-1]) if sampled else None
+        root = self.state.seq[rows, start - 1]
+        tree = grow(root, root_logq, expand, shape.depth, shape.topk, shape.budget, noise)
+        self.proposed = (shape.depth - 1) * shape.topk  # head KV entries past the pairs, rolled back by accept
+        return tree
 
     def commit(self, rows: torch.Tensor, n: int) -> None:
         """Nothing to do: a drafter never proposes more than it was asked for."""
@@ -244,6 +277,7 @@ class Eagle3Level:
 
     def _full_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits placed in the verifier's vocabulary (-inf elsewhere)."""
-        full = torch.full_like(self.last_logits[: len(draft_logits)], float("-inf"))
-        full[:, self.target_ids] = draft_logits.float()
+        vocab = self.last_logits.shape[-1]
+        full = draft_logits.new_full((*draft_logits.shape[:-1], vocab), float("-inf"), dtype=torch.float32)
+        full[..., self.target_ids] = draft_logits.float()
         return full

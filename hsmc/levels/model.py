@@ -8,6 +8,7 @@ from hsmc.engine.graphs import GraphParts, HostField
 from hsmc.engine.random_streams import DRAW, RowStreams, purpose_of
 from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput, masked_accept
+from hsmc.levels.tree import Tree, TreeShape, frontier_batch, grow, keyed_noise, tree_law
 
 
 class ModelLevel:
@@ -48,6 +49,30 @@ class ModelLevel:
             logq=torch.stack(logq, 1),
             logprobs=torch.stack(logprobs, 1) if logprobs else None,
         )
+
+    def propose_tree(self, rows: torch.Tensor, shape: TreeShape, sampled: bool) -> Tree:
+        """Each depth's frontier runs as one forward of its nodes (`frontier_batch`); those KV entries are rolled
+        back at the end, so the accepted path is processed again with the next round's first forward, as a
+        chain's last draft is."""
+        law = self.laws.at(rows)
+        root_logits = self.state.forward(rows, last_only=True).logits[:, 0]
+        state, runner = self.state, self.state.runner
+        start = state.kv_len[rows]  # the first node's column and the position of the first draft
+        run = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)  # nodes in the KV past the root
+
+        def expand(tree: Tree, frontier: torch.Tensor) -> torch.Tensor:
+            nonlocal run
+            with state.timer():
+                logits, _ = runner.forward(frontier_batch(runner, rows, tree, frontier, run, state.len_bound))
+            run = torch.cat([run, frontier], 1)
+            return tree_law(law, logits)
+
+        noise = keyed_noise(self.streams, rows, self.draw, start, root_logits.shape[-1]) if sampled else None
+        root = state.seq[rows, start - 1]
+        tree = grow(root, tree_law(law, root_logits), expand, shape.depth, shape.topk, shape.budget, noise)
+        runner.tables.truncate(rows, start, max_drop=(shape.depth - 1) * shape.topk)
+        self.proposed = shape.depth  # the accepted path: at most `depth` tokens past the root
+        return tree
 
     def step(self, rows: torch.Tensor) -> Emission:
         tokens = self.propose(rows, 1).tokens

@@ -7,6 +7,11 @@ correction is drawn from norm(max(0, p_i − q_i)); if all are kept a bonus come
 At T = 0 drafts are kept while they equal argmax p_i, and the argmax follows. Rows advance by
 different amounts; rejected positions are rolled back in both models' KV.
 
+With `tree` the drafter grows a draft tree instead (`hsmc.levels.tree`) and ONE verifier forward runs its
+nodes under a tree mask; the walk of `tree_rule` (`hsmc.speculative.tree_verify`) keeps a path and draws the token
+after it, and the path's KV is moved to the front of the tree's block before the usual rollback (docs/design.md,
+"Tree drafting"). A round then emits 1..depth+1 tokens, as a chain of γ = depth does.
+
 Tokens emitted beyond what the level above asked for are buffered in `seq` (surplus). The
 log-probability handed upward is the verifier's own log_softmax(ℓ/T) at each emitted token.
 
@@ -34,8 +39,10 @@ from hsmc.engine.random_streams import ACCEPT, RESIDUAL, RowStreams, purpose_of
 from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput, masked_accept
 from hsmc.levels.block_fill import BlockFill
+from hsmc.levels.tree import TreeShape, ancestors, path
 from hsmc.models.size import weight_bytes
-from hsmc.ops.counter_hash import uniform
+from hsmc.ops.counter_hash import combine, uniform
+from hsmc.speculative.tree_verify import verify_tree
 
 
 class RejectionLevel:
@@ -50,12 +57,19 @@ class RejectionLevel:
         streams: RowStreams,
         salt: int,
         graph_rounds: bool = False,
+        tree: TreeShape | None = None,
+        tree_rule: str = "target_only",
     ) -> None:
         """`laws`: the law each row's tokens must follow exactly; `streams`, `salt`: its random streams and its
         depth under the top. `graph_rounds`: capture each round as one CUDA graph (the runner must have CUDA
-        graphs; not for a level drafting for another rejection level, whose rounds run inside that level's)."""
+        graphs; not for a level drafting for another rejection level, whose rounds run inside that level's).
+        `tree`: draft trees of this shape instead of chains of `num_draft_tokens` (then its depth), verified by
+        `tree_rule` (`hsmc.speculative.tree_verify`)."""
         self.state = state
         self.drafter = drafter
+        self.tree, self.tree_rule = tree, tree_rule
+        if tree is not None:
+            num_draft_tokens = tree.depth
         self.gamma = num_draft_tokens
         self.step_growth = num_draft_tokens + 1
         self.laws = laws
@@ -232,6 +246,8 @@ class RejectionLevel:
         """One draft + verify for `rows`; returns the number of drafts each row kept and, unless every row is
         greedy, the verifier's log p' at the γ+1 positions from the first draft's on [R, γ+1, V]. Rows where
         `active` is False run along but keep their state (their drafts are rolled back)."""
+        if self.tree is not None:
+            return self._tree_round(rows, active)
         gamma = self.gamma
         draft = self.drafter.propose(rows, gamma, at_most=True)
         base = self.state.seq_len[rows]  # the first draft's position
@@ -241,10 +257,67 @@ class RejectionLevel:
         law = self.laws.at(rows)
         logp = None if law.greedy else law.log_probs(p_logits)
         accepted, token = self._verify(rows, base, draft, p_logits, logp)
+        self._settle(rows, base, draft.tokens, accepted, token, logp, active, gamma + 1, step)
+        return accepted, logp
+
+    def _tree_round(
+        self, rows: torch.Tensor, active: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_round` for a draft tree: the drafter's tree, ONE verifier forward over its nodes under a tree mask,
+        the walk of `tree_rule`, and the accepted path's KV moved to the front of the tree's block (the rest
+        rolled back, its slots freed). Its distributions are those along the accepted path."""
+        shape = self.tree
+        draft_aware = self.tree_rule == "draft_aware"
+        tree = self.drafter.propose_tree(rows, shape, sampled=draft_aware)
+        base = self.state.seq_len[rows]  # the first draft's position
+        start = base - 1  # the root's column in the verifier's KV
+        seen = ancestors(tree, shape.depth)
+        law = self.laws.at(rows)
+        logits, features = self.state.forward_tree(rows, tree.tokens, tree.depth, seen)
+        logp = law.log_probs(logits.float())  # [R, N, V]
+        nodes = torch.arange(tree.size, device=rows.device)
+        u = uniform(combine(self.streams.keys(rows, self.accept_purpose, start[:, None] + tree.depth), nodes)).float()
+        node, residual = verify_tree(tree.parent, tree.tokens, logp.exp(), tree.logq.exp() if draft_aware else None, u)
+        accepted = tree.depth.gather(1, node[:, None])[:, 0]
+        ones, no_floor = torch.ones_like(u[:, 0]), torch.full_like(u[:, 0], float("-inf"))
+        keys = self.streams.keys(rows, self.residual_purpose, base + accepted)
+        token, _ = self.laws.backend.gumbel_max(residual.log(), ones, no_floor, keys)
+        on_path = path(tree, seen, node, shape.depth)
+        kept = seen.gather(1, node[:, None, None].expand(-1, 1, tree.size))[:, 0]  # the root and the path
+        self.state.runner.tables.permute(rows, start, torch.where(kept, tree.depth, tree.size + nodes).argsort(-1))
+        drafts = tree.tokens.gather(1, on_path)
+        self.state.place(rows, base, drafts, processed=True)
+        self.drafter.state.place(rows, base, drafts)
+        along = torch.cat([torch.zeros_like(node[:, None]), on_path], 1)  # the root, then the path
+        index = torch.arange(len(rows), device=rows.device)[:, None]
+        path_logp = logp[index, along]  # [R, depth + 1, V]
+        step = None
+        if self.drafter.feature_layers:  # the verifier's features at the root and the path, as a chain's verify
+            step = StepOutput(path_logp, torch.full_like(base, shape.depth + 1), start, features[index, along])
+        self._settle(rows, base, drafts, accepted, token, path_logp, active, tree.size, step)
+        return accepted, path_logp
+
+    def _settle(
+        self,
+        rows: torch.Tensor,
+        base: torch.Tensor,
+        drafts: torch.Tensor,
+        accepted: torch.Tensor,
+        token: torch.Tensor,
+        logp: torch.Tensor | None,
+        active: torch.Tensor | None,
+        max_drop: int,
+        step: StepOutput | None,
+    ) -> None:
+        """A round's outcome: `accepted` of `drafts` [R, γ] (from position `base`) kept and `token` after them;
+        the verifier's log p' at those γ + 1 positions (`logp`; None: every row greedy) gives what is handed
+        upward. Both models keep what was kept (the verifier's KV drops at most `max_drop` tokens); `step`: the
+        verify forward, for a feature-reading drafter."""
+        gamma = drafts.shape[1]
         if logp is None:
             emitted_logq = torch.zeros(len(rows), gamma + 1, device=rows.device)
         else:
-            chosen = torch.cat([draft.tokens, draft.tokens[:, :1]], 1)
+            chosen = torch.cat([drafts, drafts[:, :1]], 1)
             chosen.scatter_(1, accepted[:, None], token[:, None])
             emitted_logq = logp.gather(-1, chosen[..., None]).squeeze(-1)
         cols = (base[:, None] + torch.arange(gamma + 1, device=rows.device)).clamp_max(self.seq_logq.shape[1] - 1)
@@ -253,12 +326,11 @@ class RejectionLevel:
         if active is not None:  # an idle row drops its drafts: it keeps its tokens, the last one pending again
             keep_len = torch.where(active, keep_len, base - 1)
             token = torch.where(active, token, self.state.seq[rows, base - 1])
-        self.state.truncate(rows, keep_len, token, max_drop=gamma + 1)
+        self.state.truncate(rows, keep_len, token, max_drop=max_drop)
         self.drafter.accept(rows, keep_len, token, step if self.drafter.feature_layers else None)
         ran = torch.ones_like(keep_len) if active is None else active.to(torch.int64)
         self.yields.index_add_(0, accepted, ran)
         self.row_counts.index_add_(0, rows, torch.stack([ran, ran * (accepted + 1)], 1))
-        return accepted, logp
 
     def _verify(
         self, rows: torch.Tensor, base: torch.Tensor, draft: Proposal, p_logits: torch.Tensor, logp: torch.Tensor | None

@@ -25,6 +25,7 @@ from hsmc.levels.eagle3 import Eagle3Level
 from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.smc import SMCLevel, SMCParams
+from hsmc.levels.tree import TreeShape
 from hsmc.models.loading import LoadedModel, load_model
 from hsmc.models.parallel import SINGLE, TensorParallel
 from hsmc.models.shapes import SHAPES, random_loaded, random_shape
@@ -186,7 +187,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, t
                     "tokens; an smc proposal must be able to propose every token (importance weights need q > 0 "
                     "wherever p_T^alpha > 0): put a rejection level between the head and the smc level"
                 )
-            block = above.block_size if above.kind == "smc" else above.num_draft_tokens
+            block = above.block_size if above.kind == "smc" else above.path_length
             pairs, bridged = block + 1, len(cfg.levels) - 2  # one per level above the verifier
             levels.append(
                 Eagle3Level(
@@ -207,10 +208,12 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, t
             levels.append(ModelLevel(state, laws, streams, salt))
         elif lc.kind == "rejection":
             drafts_for_rejection = i + 1 < len(cfg.levels) and cfg.levels[i + 1].kind == "rejection"
+            tree = None if lc.tree is None else TreeShape(lc.tree.depth, lc.tree.topk, lc.tree.budget)
             levels.append(
                 RejectionLevel(
                     state, below, lc.num_draft_tokens, laws, streams, salt,
-                    graph_rounds=graphs and not drafts_for_rejection,
+                    graph_rounds=graphs and not drafts_for_rejection and tree is None, tree=tree,
+                    tree_rule=lc.tree_rule,
                 )
             )  # fmt: skip
         else:

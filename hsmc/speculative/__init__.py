@@ -1,0 +1,1 @@
+"""Speculative verification as pure tensor functions: the exact acceptance rules of draft trees."""
