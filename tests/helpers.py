@@ -68,3 +68,16 @@ def assert_pools_empty(decoder) -> None:
         tables = runner.tables
         check_invariants(tables.allocator, [tables])
         assert tables.allocator.num_free() == tables.allocator.num_slots, f"{type(level).__name__} leaked KV slots"
+
+
+def assert_greedy_as_target_with_partial_acceptance(decoder, target, hf_greedy) -> None:
+    """A T = 0 rejection stack (level 1 the verifier `target`, drafting 4 tokens a round) decodes four ragged
+    prompts exactly as transformers' greedy decode of `target` (`hf_greedy(path, prompt, n)`), with drafts partly
+    accepted, and leaves its pools empty."""
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3]]
+    results = decoder.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(target, prompt, 24)
+    accepted = results[0].stats["levels"][1]["mean_accepted_length"]
+    assert 1.0 < accepted < 5.0, "drafts should be partly accepted (ragged rows)"
+    assert_pools_empty(decoder)

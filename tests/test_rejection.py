@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 from conftest import make_tiny_model
-from helpers import assert_pools_empty
+from helpers import assert_greedy_as_target_with_partial_acceptance, assert_pools_empty
 from scipy.stats import chisquare
 
 from hsmc.decoder import HierarchicalDecoder
@@ -48,13 +48,7 @@ def pair(tmp_path_factory):
 def test_temperature_zero_equals_verifier_greedy(pair, draft_t):
     _, target = pair
     decoder = _stack(target, target, draft_t, 0.0, gamma=4, draft_layers=3)  # a layer-truncated self-draft
-    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3]]
-    results = decoder.generate(prompts, max_new_tokens=24, ignore_eos=True)
-    for prompt, result in zip(prompts, results):
-        assert result.token_ids == _hf_greedy(target, prompt, 24)
-    accepted = results[0].stats["levels"][1]["mean_accepted_length"]
-    assert 1.0 < accepted < 5.0, "drafts should be partly accepted (ragged rows)"
-    assert_pools_empty(decoder)
+    assert_greedy_as_target_with_partial_acceptance(decoder, target, _hf_greedy)
 
 
 def test_self_draft_is_always_accepted(pair):
