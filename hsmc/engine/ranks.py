@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hsmc.errors import ConfigError, HsmcError
-from hsmc.models.parallel import TensorParallel
+from hsmc.models.parallel import SymmetricAllReduce, TensorParallel
 
 STARTUP_TIMEOUT = timedelta(minutes=30)  # of the device group (joining waits for every rank to start)
 IDLE_TIMEOUT = timedelta(days=365)  # followers wait on the control group as long as rank 0 has no request
@@ -163,7 +164,22 @@ def join(rank: int, world_size: int, init_method: str, device: str) -> Ranks:
         "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return Ranks(TensorParallel(rank, world_size), control, threads, torch.device(device).type)
+    symmetric = _symmetric_all_reduce(torch.device("cuda", rank), control) if cuda else None
+    return Ranks(TensorParallel(rank, world_size, symmetric=symmetric), control, threads, torch.device(device).type)
+
+
+def _symmetric_all_reduce(device: torch.device, control: Any) -> SymmetricAllReduce | None:
+    """The one-shot all-reduce over the default group, or None (NCCL alone, with a warning) where the GPUs cannot
+    map one another's memory; the ranks agree on which (one rank on NCCL and another waiting in a one-shot kernel
+    would hang)."""
+    try:
+        symmetric: SymmetricAllReduce | None = SymmetricAllReduce(dist.group.WORLD, device)
+    except RuntimeError as e:
+        warnings.warn(f"tensor parallelism: no symmetric memory ({e}); all-reduces go through NCCL", stacklevel=2)
+        symmetric = None
+    everywhere = torch.tensor([int(symmetric is not None)])
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=control)
+    return symmetric if everywhere.item() else None
 
 
 def _free_port() -> int:

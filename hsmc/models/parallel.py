@@ -5,6 +5,7 @@ A sharded `DecoderLM` follows gpt-fast's tp.py: each rank holds its heads of q/k
 all-reduce sums their partial products), and a slice of the vocabulary in the embedding (masked lookup, then an
 all-reduce) and in the LM head (an all-gather to full logits, so sampling and the SMC weights see every token).
 The group is handed to the model when it is built, never looked up globally; at world size 1 no collective runs.
+On CUDA the all-reduces of small activations (decode, verify and SMC steps) go through `SymmetricAllReduce`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,11 +28,16 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    symmetric: SymmetricAllReduce | None = None  # CUDA: the one-shot all-reduce of small tensors
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place (every rank gets the same bits)."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+        """x summed over the ranks, the same bits on every rank: a new tensor where the symmetric all-reduce takes
+        it, else x itself, summed in place by the group's backend."""
+        if self.world_size == 1:
+            return x
+        if self.symmetric is not None and self.symmetric.takes(x):
+            return self.symmetric(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, size: int) -> torch.Tensor:
@@ -52,6 +59,36 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+class SymmetricAllReduce:
+    """The all-reduce of small activations (decode, verify and SMC steps) over NVLink: `PushAllReduce`'s one kernel
+    on buffers every rank maps through torch's symmetric memory. NCCL's ring takes ~13-16 µs for one token's
+    activation inside a CUDA graph on 2 x H100; a step of Qwen3-32B runs 129 of them, which alone caps its TP=2
+    decode near 1.65x. Tensors over `MAX_BYTES` (prefill chunks) go through NCCL; the crossover is measured by
+    `scripts/bench_tensor_parallel.py --parts all-reduce`."""
+
+    MAX_BYTES = 1 << 20  # a 32B's activation for 102 rows in bf16
+    DTYPES = (torch.bfloat16, torch.float32)
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        """Collective: every rank of `group` builds it at the same time (the buffers' addresses are exchanged)."""
+        from hsmc.ops.push_all_reduce import BITS, FREE, SLOTS, PushAllReduce  # Triton: CUDA installs only
+
+        self.reducers = {}
+        world = dist.get_world_size(group)
+        for dtype in self.DTYPES:
+            shape = (SLOTS, world, self.MAX_BYTES // dtype.itemsize)
+            buffer = symm_mem.empty(shape, dtype=BITS[dtype], device=device).fill_(FREE[dtype])
+            torch.cuda.synchronize(device)  # every slot free before any peer can push (after the rendezvous)
+            handle = symm_mem.rendezvous(buffer, group.group_name)
+            self.reducers[dtype] = PushAllReduce(buffer, list(handle.buffer_ptrs), handle.rank, dtype)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dtype in self.reducers and x.is_contiguous() and x.numel() * x.element_size() <= self.MAX_BYTES
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reducers[x.dtype](x)
 
 
 class VocabParallelEmbedding(nn.Embedding):

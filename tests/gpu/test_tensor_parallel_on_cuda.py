@@ -4,11 +4,17 @@ weights of one GPU. Tiny float32 models (TF32 off): differences are bugs, not ro
 
 from __future__ import annotations
 
+import queue
+import time
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 # fixtures: stacks, and exact_float32 (autouse: TF32 off)
 from test_stacks_on_cuda import PROMPTS, decoder, exact_float32, stacks, without_syncs  # noqa: F401
+
+from hsmc.engine.ranks import _free_port, join
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,3 +47,64 @@ def test_smc_on_two_gpus_gives_one_gpus_particles_and_weights(stacks, kind):  # 
         assert (a.smc.chosen, a.smc.resamplings) == (b.smc.chosen, b.smc.resamplings)
         weights = [[p.log_weight for p in r.smc.particles] for r in (a, b)]
         assert weights[0] == pytest.approx(weights[1], abs=1e-4)
+
+
+def _inputs(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank `rank`'s input to all-reduce number `call`: rows vary, so calls cover the one-shot path and NCCL."""
+    rows = (1, 8, 72, 300)[call % 4]
+    g = torch.Generator().manual_seed(1000 * rank + call)
+    return torch.randn(rows, 1024, generator=g).to(dtype)
+
+
+def _all_reduce_back_to_back(rank: int, world: int, init_method: str, dtype: torch.dtype, results) -> None:
+    ranks = join(rank, world, init_method, "cuda")
+    inputs = [_inputs(rank, call, dtype).cuda() for call in range(24)]
+    stream = torch.cuda.Stream()  # warm-up off the capturing stream, as torch's graphs want
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        [ranks.tp.all_reduce(x.clone()) for x in inputs]
+    torch.cuda.current_stream().wait_stream(stream)
+    graph, copies = torch.cuda.CUDAGraph(), [x.clone() for x in inputs]
+    with torch.cuda.graph(graph):
+        outs = [ranks.tp.all_reduce(x) for x in copies]
+    mismatched = []
+    for replay in range(3):
+        for x, y in zip(copies, inputs):
+            x.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        for call, out in enumerate(outs):
+            want = sum(_inputs(r, call, dtype).double() for r in range(world)).to(dtype)
+            if not torch.equal(out.cpu(), want):
+                mismatched.append((replay, call))
+    results.put((rank, ranks.tp.symmetric is not None, mismatched))
+    ranks.leave()
+
+
+def _result(results, procs, seconds: float = 300):
+    """The next rank's result; a rank that died fails the test at once instead of leaving it waiting."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1)
+        except queue.Empty:
+            if dead := [p.exitcode for p in procs if p.exitcode not in (None, 0)]:
+                pytest.fail(f"a rank exited with {dead[0]} (its traceback is in the captured stderr)")
+    pytest.fail(f"no result within {seconds} s")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_all_reduces_back_to_back_in_a_graph_give_every_rank_the_exact_sum(dtype):
+    """24 all-reduces of 1 to 300 rows replayed as one graph, three times: the one-shot kernel reuses its buffer
+    from call to call, so a rank that overwrote it before a peer had read it would show here as a wrong sum."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [context.Process(target=_all_reduce_back_to_back, args=(r, 2, init, dtype, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(_result(results, procs) for _ in procs)
+    for p in procs:
+        p.join()
+    assert [(rank, symmetric) for rank, symmetric, _ in got] == [(0, True), (1, True)]
+    assert [mismatched for *_, mismatched in got] == [[], []]
