@@ -4,6 +4,7 @@ weights of one GPU. Tiny float32 models (TF32 off): differences are bugs, not ro
 
 from __future__ import annotations
 
+import faulthandler
 import queue
 import time
 
@@ -57,6 +58,7 @@ def _inputs(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _all_reduce_back_to_back(rank: int, world: int, init_method: str, dtype: torch.dtype, results) -> None:
+    faulthandler.dump_traceback_later(120, exit=True)  # a rank stuck in a collective prints where, and ends
     ranks = join(rank, world, init_method, "cuda")
     inputs = [_inputs(rank, call, dtype).cuda() for call in range(24)]
     stream = torch.cuda.Stream()  # warm-up off the capturing stream, as torch's graphs want
