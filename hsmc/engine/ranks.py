@@ -210,8 +210,13 @@ def join(rank: int, world_size: int, init_method: str, device: str) -> Ranks:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, threads // world_size))
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT
+    dist.init_process_group(  # on CUDA NCCL connects now, not inside the first forward, between all-reduce kernels
+        "nccl" if cuda else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=STARTUP_TIMEOUT,
+        device_id=torch.device("cuda", rank) if cuda else None,
     )
     control = dist.new_group(backend="gloo", timeout=STARTUP_TIMEOUT)
     channel = ControlChannel(rank, world_size, control)
