@@ -4,6 +4,8 @@ logits of the whole model, and every stack kind decodes through `HierarchicalDec
 from __future__ import annotations
 
 import json
+import socket
+import threading
 
 import httpx
 import pytest
@@ -20,8 +22,8 @@ from test_stacks import SIZES
 from hsmc.cli import main
 from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.ranks import POOL, check_world, join, start_ranks
-from hsmc.errors import ConfigError, ModelLoadError
+from hsmc.engine.ranks import POOL, ControlChannel, check_world, join, start_ranks
+from hsmc.errors import ConfigError, HsmcError, ModelLoadError
 from hsmc.models.loading import load_model
 from hsmc.models.parallel import TensorParallel
 from hsmc.ops.fp8_linear import Fp8Linear
@@ -280,3 +282,19 @@ def test_serve_with_two_ranks_answers_as_one_and_a_leaving_client_ends_on_every_
         finally:
             decoder.close()
     assert answers[0] == answers[1] and answers[0]
+
+
+def test_control_channel_delivers_messages_whole_in_order_and_names_a_gone_rank_zero():
+    """Rank 0's side and a follower's over a socket pair: a message larger than the socket's buffer arrives whole,
+    messages arrive in the order sent, and a closed rank 0 is an HsmcError, not a hang or a half message."""
+    leader, follower = (ControlChannel.__new__(ControlChannel) for _ in range(2))
+    leader.peers, follower.peers = (list(pair) for pair in zip(socket.socketpair()))
+    big = {"prompt": list(range(300_000))}  # ~1.5 MB pickled
+    sender = threading.Thread(target=lambda: [leader.send(m) for m in (big, None, "third")])
+    sender.start()
+    assert [follower.receive() for _ in range(3)] == [big, None, "third"]
+    sender.join()
+    leader.close()
+    with pytest.raises(HsmcError, match="rank 0 closed the control channel"):
+        follower.receive()
+    follower.close()
