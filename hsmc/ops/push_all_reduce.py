@@ -4,10 +4,11 @@ order (the same bits on every rank).
 
 No barrier is needed because the values are their own flags (the "Lamport" scheme of TensorRT-LLM's one-shot
 all-reduce): a free slot holds negative zero everywhere, a pushed value is never negative zero (-0.0 is pushed as
-+0.0, which changes no sum but the sign of a zero one), so a rank knows a value has arrived when it reads something else. After summing, a
-rank sets its slot back to negative zero. Calls rotate over three slots: a peer can only push call i + 3 after
-this rank pushed its values of call i + 2, which it does after it finished (and cleared) call i. The call number
-comes from a per-rank counter each program bumps atomically, so the kernel replays inside CUDA graphs.
++0.0, which changes no sum but the sign of a zero one), so a rank knows a value has arrived when it reads
+something else. After summing, a rank sets its slot back to negative zero. Calls rotate over three slots: a peer
+can only push call i + 3 after this rank pushed its values of call i + 2, which it does after it finished (and
+cleared) call i. The call number comes from a per-rank counter each program bumps atomically, so the kernel
+replays inside CUDA graphs.
 
 One token's activation of a 32B (10 KiB) inside a CUDA graph on 2 x H200: this kernel 3.2 µs, torch's
 symmetric-memory one-shot kernel (copy, barrier, read the peers, barrier) 6.7 µs, NCCL 12.9 µs
