@@ -82,8 +82,8 @@ def run_parts(description: str, parts: dict[str, Callable[[Report], None]], name
         report.write()
 
 
-def graph_ms(fn: Callable[[], object]) -> float:
-    """Median time of one replay of fn captured in a CUDA graph (a warm-up on a side stream first)."""
+def capture(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGraph:
+    """`calls` calls of fn captured in one CUDA graph (after a warm-up call on a side stream)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -91,8 +91,14 @@ def graph_ms(fn: Callable[[], object]) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, return_mode="median", warmup=25, rep=100)
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    """Median time of one replay of fn captured in a CUDA graph."""
+    return triton.testing.do_bench(capture(fn).replay, return_mode="median", warmup=25, rep=100)
 
 
 def layer_dims(shape: str) -> dict[str, tuple[int, int]]:
