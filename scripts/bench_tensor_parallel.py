@@ -4,7 +4,7 @@ baseline from the same run:
 all-reduce  one all-reduce of R rows of the 32B's activation (5120 bf16) inside a CUDA graph: NCCL, torch's
             symmetric-memory one-shot kernel and hsmc's push kernel (`hsmc.ops.push_all_reduce`, what the models
             run up to `SymmetricAllReduce.MAX_BYTES`), and whether they give NCCL's bits.
-control     the host's share: the gloo broadcast that opens every driver turn, and the step of a 0.6B decode.
+control     the host's share: rank 0's message that opens every driver turn, and the step of a 0.6B decode.
 decode      batch-1 decode of Qwen3-8B and Qwen3-32B (bf16) at TP=1 and TP=N (`hsmc bench --shape`), against the
             per-GPU weight-read roofline, with the all-reduces' share of a step (their count x the one-shot time).
 smc         SMC-SD 8B -> 32B (N=8, K=8) and the hierarchical stack (EAGLE3 head -> 8B -> 32B) at TP=1 and TP=N.
