@@ -82,13 +82,25 @@ class SymmetricAllReduce:
             buffer = symm_mem.empty(shape, dtype=BITS[dtype], device=device).fill_(FREE[dtype])
             torch.cuda.synchronize(device)  # every slot free before any peer can push (after the rendezvous)
             handle = symm_mem.rendezvous(buffer, group.group_name)
-            self.reducers[dtype] = PushAllReduce(buffer, list(handle.buffer_ptrs), handle.rank, dtype)
+            self.reducers[dtype] = PushAllReduce(buffer, _peer_addresses(buffer, handle, group), handle.rank, dtype)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.dtype in self.reducers and x.is_contiguous() and x.numel() * x.element_size() <= self.MAX_BYTES
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.reducers[x.dtype](x)
+
+
+def _peer_addresses(buffer: torch.Tensor, handle: Any, group: Any) -> list[int]:
+    """Where `buffer` lies on every rank. The handle gives each rank's base of the symmetric allocation, which may
+    hold other tensors before this one (torch can sub-allocate symmetric tensors from a pool): the buffer's offset
+    in it is added, and must be the same on every rank, or the pushes would land elsewhere and the ranks wait."""
+    offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+    offsets: list[int | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(offsets, offset, group=group)
+    if len(set(offsets)) > 1:
+        raise RuntimeError(f"the symmetric buffers lie at different offsets on the ranks: {offsets}")
+    return [base + offset for base in handle.buffer_ptrs]
 
 
 class VocabParallelEmbedding(nn.Embedding):
