@@ -28,6 +28,7 @@ PROGRAMS = 64  # fixed, so that a call's number is the counter over PROGRAMS wha
 BLOCK = 1024  # elements a program moves per step
 FREE = {torch.bfloat16: -(1 << 15), torch.float32: -(1 << 31)}  # negative zero's bits, as the signed integer
 BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+VALUES: dict[torch.dtype, Any] = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}  # Triton's name of each
 
 
 @triton.jit
@@ -89,10 +90,7 @@ class PushAllReduce:
         bits = BITS[self.dtype]
         _push_all_reduce[(PROGRAMS,)](
             x.view(bits), out.view(bits), self.pointers, self.counter, x.numel(), self.capacity,
-            rank=self.rank, world=self.world, free=FREE[self.dtype], VALUE=_TL[self.dtype],
+            rank=self.rank, world=self.world, free=FREE[self.dtype], VALUE=VALUES[self.dtype],
             SLOTS=SLOTS, PROGRAMS=PROGRAMS, BLOCK=BLOCK,
         )  # fmt: skip
         return out
-
-
-_TL: dict[torch.dtype, Any] = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
