@@ -52,7 +52,7 @@ def test_smc_on_two_gpus_gives_one_gpus_particles_and_weights(stacks, kind):  # 
 
 
 def _inputs(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rank `rank`'s input to all-reduce number `call`: rows vary, so calls cover the one-shot path and NCCL."""
+    """Rank `rank`'s input to all-reduce number `call`: rows vary, so calls cover the push kernel and NCCL."""
     rows = (1, 8, 72, 300)[call % 4]
     g = torch.Generator().manual_seed(1000 * rank + call)
     return torch.randn(rows, 1024, generator=g).to(dtype)
@@ -98,7 +98,7 @@ def _result(results, procs, seconds: float = 300):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_all_reduces_back_to_back_in_a_graph_give_every_rank_the_exact_sum(dtype):
-    """24 all-reduces of 1 to 300 rows replayed as one graph, three times: the one-shot kernel reuses its buffer
+    """24 all-reduces of 1 to 300 rows replayed as one graph, three times: the push kernel reuses its buffer
     from call to call, so a rank that overwrote it before a peer had read it would show here as a wrong sum."""
     context = mp.get_context("spawn")
     results = context.Queue()
