@@ -9,12 +9,14 @@ stack on their shard and run the same driver turns (`hsmc.engine.ranks`); this p
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import queue
 import signal
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,8 @@ class HierarchicalDecoder:
         self.tokenizer = self.stack.tokenizer
         self._driver: RequestDriver | None = None
         self._warm = False
+        if ranks is not None and ranks.leader:  # closed before the pool ends the group (atexit runs last in first)
+            atexit.register(_close_at_exit, weakref.ref(self))
         if config.engine.warmup and (ranks is None or ranks.leader):
             self.warmup()
 
@@ -185,6 +189,7 @@ class HierarchicalDecoder:
             self._driver.shutdown(timeout)
         if self.ranks is not None:
             self.ranks.broadcast(None)  # the followers' decoders stop; their processes wait for the next config
+            self.stack.scope.release()  # graphs that captured NCCL collectives would keep the group from ending
             POOL.give_back(self.ranks)
             self.ranks = None
 
@@ -330,6 +335,11 @@ class HierarchicalDecoder:
         return gen
 
 
+def _close_at_exit(decoder: weakref.ref[HierarchicalDecoder]) -> None:
+    if (alive := decoder()) is not None:
+        alive.close()
+
+
 def _follow(rank: int, world_size: int, init_method: str, device: str) -> None:
     """A spawned tensor-parallel rank (`hsmc.engine.ranks.start_ranks`), until rank 0's process ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's whole group: rank 0 stops us
@@ -347,7 +357,9 @@ def follow_configs(ranks: Ranks) -> None:
         except Exception:  # rank 0 raises it for every rank (`Ranks.check`) and goes on
             continue
         decoder.follow()
+        decoder.stack.scope.release()  # as rank 0's `close` does
         del decoder
+        gc.unfreeze()  # a warmed-up decoder froze its objects out of the collector
         gc.collect()  # the stack's cycles (runners, graphs) go before the next config's loads
 
 

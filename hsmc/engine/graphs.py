@@ -117,6 +117,19 @@ class GraphScope:
         finally:
             self.bucket = was
 
+    def release(self) -> None:
+        """Destroy every captured graph and its memory; later runs capture again. A stack under tensor parallelism
+        must do this before its group ends: NCCL (2.26 on) destroys no communicator while a graph that captured its
+        collectives lives, and the ranks' `destroy_process_group` waited forever (2 x H100, at process exit)."""
+        if not any(unit.captured for unit in self.units):
+            return
+        torch.cuda.synchronize()  # no replay still running when its graph goes
+        for unit in self.units:
+            for captured in unit.captured.values():
+                captured.graph.reset()
+            unit.captured.clear()
+        torch.cuda.empty_cache()  # the graphs' pool goes back to the caching allocator
+
     def record(self, run: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """run() captured into a graph of the shared pool (not `torch.cuda.graph`: it collects garbage and syncs)."""
         if self._stream is None:

@@ -5,7 +5,10 @@ weights of one GPU. Tiny float32 models (TF32 off): differences are bugs, not ro
 from __future__ import annotations
 
 import faulthandler
+import json
 import queue
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 # fixtures: stacks, and exact_float32 (autouse: TF32 off)
-from test_stacks_on_cuda import PROMPTS, decoder, exact_float32, stacks, without_syncs  # noqa: F401
+from test_stacks_on_cuda import ENGINE, PROMPTS, decoder, exact_float32, stacks, without_syncs  # noqa: F401
 
 from hsmc.engine.ranks import _free_port, join
 
@@ -51,6 +54,31 @@ def test_smc_on_two_gpus_gives_one_gpus_particles_and_weights(stacks, kind):  # 
         assert weights[0] == pytest.approx(weights[1], abs=1e-4)
 
 
+_DECODE_AND_EXIT = """
+import json, sys
+from hsmc.decoder import HierarchicalDecoder
+config, close = json.loads(sys.argv[1]), sys.argv[2] == "close"
+decoder = HierarchicalDecoder.from_config(config)
+for _ in range(2):  # the second run replays the graphs the first captured
+    decoder.generate([[3, 4, 5], [7]], max_new_tokens=16, ignore_eos=True)
+if close:
+    decoder.close()
+print("decoded", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", ["close", "exit"])
+def test_a_process_that_decoded_on_two_gpus_ends_closed_or_not(stacks, close):  # noqa: F811
+    """The graphs of a TP=2 stack capture NCCL collectives (the LM head's all-gather), and NCCL (2.26 on) ends no
+    communicator while such a graph lives: without releasing them first, both ranks waited in
+    `destroy_process_group` forever, after `close()` or at exit (`hsmc bench` hung there on 2 x H100)."""
+    config = {"levels": stacks["rejection"], "engine": {**ENGINE, "device": "cuda", "tensor_parallel": 2}}
+    done = subprocess.run([sys.executable, "-c", _DECODE_AND_EXIT, json.dumps(config), close],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert "decoded" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def _inputs(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
     """Rank `rank`'s input to all-reduce number `call`: rows vary, so calls cover the push kernel and NCCL."""
     rows = (1, 8, 72, 300)[call % 4]
@@ -81,6 +109,7 @@ def _all_reduce_back_to_back(rank: int, world: int, init_method: str, dtype: tor
             if not torch.equal(out.cpu(), want):
                 mismatched.append((replay, call))
     results.put((rank, ranks.tp.symmetric is not None, mismatched))
+    graph.reset()  # it captured NCCL all-reduces: NCCL ends no communicator while the graph lives
     ranks.leave()
 
 
