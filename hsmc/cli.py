@@ -129,6 +129,9 @@ def _add_tune_kernels(sub: Any) -> None:
         "tune-kernels", help="measure this GPU's kernel choices for the Qwen3 Linears and write its tuning file"
     )
     cmd.add_argument("--out", help="the file to write (default: this GPU's file in the package, hsmc/ops/tuning/)")
+    cmd.add_argument(
+        "--tensor-parallel", default="1", help="comma-separated TP sizes whose sharded Linears to tune too (e.g. 1,2)"
+    )
     cmd.set_defaults(run=_tune_kernels, overrides=[])
 
 
@@ -189,7 +192,15 @@ def _tune_kernels(args: argparse.Namespace) -> int:
 
     if args.overrides:
         raise HsmcError(f"tune-kernels takes no config overrides, got {' '.join(args.overrides)}")
-    tuning, text = tune_kernels()
+    try:
+        sizes = [int(n) for n in args.tensor_parallel.split(",")]
+    except ValueError:
+        raise HsmcError(
+            f"tune-kernels: --tensor-parallel takes comma-separated integers, got {args.tensor_parallel!r}"
+        ) from None
+    if min(sizes) < 1:
+        raise HsmcError(f"tune-kernels: --tensor-parallel sizes must be >= 1, got {args.tensor_parallel!r}")
+    tuning, text = tune_kernels(sizes)
     out = Path(args.out) if args.out else default_path()
     out.write_text(text)
     print(f"{tuning.device_name} (sm_{''.join(map(str, tuning.capability))}): wrote {out}")

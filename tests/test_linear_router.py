@@ -15,6 +15,10 @@ from torch import nn
 pytest.importorskip("triton")
 
 from hsmc.cli import main  # noqa: E402
+from hsmc.models.config import DecoderConfig  # noqa: E402
+from hsmc.models.decoder import DecoderLM  # noqa: E402
+from hsmc.models.parallel import TensorParallel  # noqa: E402
+from hsmc.models.shapes import hf_config  # noqa: E402
 from hsmc.ops import split_k  # noqa: E402
 from hsmc.ops.few_row_linear import FewRowPlan  # noqa: E402
 from hsmc.ops.fp8_linear import Fp8Linear  # noqa: E402
@@ -29,6 +33,7 @@ from hsmc.ops.kernel_tuning import (  # noqa: E402
     select_tuning,
 )
 from hsmc.ops.linear_router import Kernel, LinearRouter, Route  # noqa: E402
+from hsmc.ops.tune_kernels import QWEN3_LINEARS, qwen3_linears  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3"
 MEASURED_WITH = Versions("2.11.0+cu130", "13.0", "13.1.0")
@@ -187,6 +192,30 @@ def test_packaged_files_parse_match_the_schema_and_round_trip(tmp_path):
     (tmp_path / "broken.json").write_text(json.dumps(broken))
     with pytest.raises(ValueError, match="broken.json.*padded_rows"):
         read_tuning(tmp_path / "broken.json")
+
+
+def test_the_tuned_shapes_of_a_tensor_parallel_size_are_those_its_ranks_run():
+    """What `hsmc tune-kernels --tensor-parallel 1,2,4` times is every Linear weight a rank of the 8B or 32B holds at
+    those sizes (`random_model` of each rank's shard, on the meta device), with the norm-fed ones marked."""
+    tuned = qwen3_linears((1, 2, 4))
+    for shape in ("qwen3-8b", "qwen3-32b"):
+        config = DecoderConfig.from_hf(hf_config(shape), source=shape)
+        for tp in (1, 2, 4):
+            for rank in range(tp):
+                with torch.device("meta"):
+                    model = DecoderLM(config, TensorParallel(rank, tp), shape)
+                held = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+                assert held <= {(n, k) for n, k, _ in tuned.values()}, (shape, tp, rank)
+    assert {(n, k) for n, k, _ in tuned.values()} >= {(n, k) for n, k, _ in QWEN3_LINEARS.values()}
+    assert tuned["qwen3-32b down tp2"] == (5120, 12800, False)  # row-parallel: K split
+    assert tuned["qwen3-8b lm_head tp2"] == (75968, 4096, True)  # vocabulary rows, padded up to a multiple of 2
+
+
+def test_tune_kernels_refuses_a_tensor_parallel_size_the_heads_do_not_divide(capsys):
+    assert main(["tune-kernels", "--tensor-parallel", "1,3"]) == 2
+    assert capsys.readouterr().err == (
+        "hsmc: error: engine.tensor_parallel=3: qwen3-8b has 32 attention heads, not divisible by 3\n"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import date
 from pathlib import Path
 
@@ -18,6 +18,10 @@ from tqdm import tqdm
 from triton.runtime.errors import OutOfResources
 
 from hsmc.errors import HsmcError
+from hsmc.models.config import DecoderConfig
+from hsmc.models.decoder import DecoderLM
+from hsmc.models.parallel import TensorParallel
+from hsmc.models.shapes import RANDOM_PREFIX, hf_config
 from hsmc.ops.few_row_linear import FewRowPlan, default_few_row_plan
 from hsmc.ops.fp8_gemm import block_scaled_gemm, w8a8_gemm
 from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, quantize_fp8
@@ -25,19 +29,33 @@ from hsmc.ops.kernel_tuning import DEFAULTS, BlockScaledRows, KernelTuning, curr
 from hsmc.ops.linear_router import Kernel, Route
 from hsmc.ops.triton_backend import run_route
 
-# name -> (N, K, fed by an RMSNorm); the LM heads stay bf16 in FP8 checkpoints
-QWEN3_LINEARS: dict[str, tuple[int, int, bool]] = {
-    "qwen3-8b qkv": (6144, 4096, True),
-    "qwen3-8b o": (4096, 4096, False),
-    "qwen3-8b gate_up": (24576, 4096, True),
-    "qwen3-8b down": (4096, 12288, False),
-    "qwen3-8b lm_head": (151936, 4096, True),
-    "qwen3-32b qkv": (10240, 5120, True),
-    "qwen3-32b o": (5120, 8192, False),
-    "qwen3-32b gate_up": (51200, 5120, True),
-    "qwen3-32b down": (5120, 25600, False),
-    "qwen3-32b lm_head": (151936, 5120, True),
-}
+Linears = dict[str, tuple[int, int, bool]]  # name -> (N, K, fed by an RMSNorm)
+TUNED_MODELS = ("qwen3-8b", "qwen3-32b")
+NORM_FED = ("qkv", "gate_up", "lm_head")  # the others (o, down) add the residual
+
+
+def qwen3_linears(tensor_parallel: Sequence[int] = (1,)) -> Linears:
+    """The Linears one rank of Qwen3-8B and Qwen3-32B runs at each tensor-parallel size, read off the models built
+    on the meta device: a sharded shape is the one `DecoderLM` holds (q/k/v, gate/up and the LM head split by rows,
+    o and down by columns), not a second formula. Shapes two sizes share are tuned once. The LM heads stay bf16 in
+    FP8 checkpoints."""
+    linears: Linears = {}
+    for shape in TUNED_MODELS:
+        config = DecoderConfig.from_hf(hf_config(shape), source=f"{RANDOM_PREFIX}{shape}")
+        for tp in tensor_parallel:
+            with torch.device("meta"):
+                model = DecoderLM(config, TensorParallel(0, tp), shape)
+            layer = model.model.layers[0]
+            modules = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+                       "down": layer.mlp.down_proj, "lm_head": model.lm_head}  # fmt: skip
+            for label, module in modules.items():
+                n, k = module.weight.shape
+                if all((n, k) != (n2, k2) for n2, k2, _ in linears.values()):
+                    linears[f"{shape} {label}" + (f" tp{tp}" if tp > 1 else "")] = (n, k, label in NORM_FED)
+    return linears
+
+
+QWEN3_LINEARS = qwen3_linears()  # one GPU's
 FEW_ROW_CANDIDATES = [
     FewRowPlan(block_n, block_k, 1, warps, stages)
     for block_n in (32, 64)
@@ -72,43 +90,45 @@ class _Bench:
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def tune_kernels() -> tuple[KernelTuning, str]:
-    """Measure this GPU; (the tuning, its file's text)."""
+def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, str]:
+    """Measure this GPU on the Linears one rank runs at each of the `tensor_parallel` sizes; (the tuning, its
+    file's text). Shapes a file leaves out run the defaults, so a TP host is tuned with its sizes."""
+    linears = qwen3_linears(tensor_parallel)  # first: a size that does not divide the heads is a user error
     if not torch.cuda.is_available():
         raise HsmcError("hsmc tune-kernels measures kernels on a CUDA GPU and none is visible")
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    dense = {name: _dense(n, k, device) for name, (n, k, _) in QWEN3_LINEARS.items()}
+    dense = {name: _dense(n, k, device) for name, (n, k, _) in linears.items()}
     has_fp8 = torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
     fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not name.endswith("lm_head")}
-    shapes = len(QWEN3_LINEARS)
+    shapes = len(linears)
     bench = _Bench(
         shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
         + shapes
         + shapes * len(GEMM_ROWS) * 2
-        + sum(norm for *_, norm in QWEN3_LINEARS.values()) * len(PAD_ROWS) * (len(PAD_STEPS) + 1)
+        + sum(norm for *_, norm in linears.values()) * len(PAD_ROWS) * (len(PAD_STEPS) + 1)
         + len(fp8) * (len(FP8_WEIGHT_ONLY_ROWS) + len(FP8_ACT_ROWS)) * 2
     )
     with torch.no_grad():
-        few_row_plans = _few_row_plans(bench, dense, device)
-        cublaslt = _cublaslt_gemms(bench, dense)
-        padded = _padded_rows(bench, dense, cublaslt)
-        weight_only_max = _fp8_weight_only_max_rows(bench, fp8) if fp8 else DEFAULTS.fp8_weight_only_max_rows
-        block_scaled = _block_scaled_rows(bench, fp8, device) if fp8 else None
+        few_row_plans = _few_row_plans(bench, linears, dense, device)
+        cublaslt = _cublaslt_gemms(bench, linears, dense)
+        padded = _padded_rows(bench, linears, dense, cublaslt)
+        weight_only_max = _fp8_weight_only_max_rows(bench, linears, fp8) if fp8 else DEFAULTS.fp8_weight_only_max_rows
+        block_scaled = _block_scaled_rows(bench, linears, fp8, device) if fp8 else None
     bench.bar.close()
     index = device.index
     tuning = KernelTuning(
         torch.cuda.get_device_name(index),
         torch.cuda.get_device_capability(index),
         current_versions(),
-        f"{date.today()}: hsmc tune-kernels",
+        f"{date.today()}: hsmc tune-kernels --tensor-parallel {','.join(map(str, tensor_parallel))}",
         few_row_plans,
         frozenset(cublaslt),
         padded,
         weight_only_max,
         block_scaled,
     )
-    labels = {(n, k): name for name, (n, k, _) in QWEN3_LINEARS.items()}
+    labels = {(n, k): name for name, (n, k, _) in linears.items()}
     return tuning, format_tuning(tuning, labels)
 
 
@@ -142,10 +162,10 @@ def _time(bench: _Bench, route: Route, linear: nn.Module, inputs: dict) -> float
         return math.inf
 
 
-def _few_row_plans(bench: _Bench, dense: dict[str, nn.Linear], device: torch.device) -> dict:
+def _few_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear], device: torch.device) -> dict:
     """The fastest plan per shape and row tile; a 32-row plan only where it beats the GEMM."""
     plans = {}
-    for name, (n, k, norm) in QWEN3_LINEARS.items():
+    for name, (n, k, norm) in linears.items():
         for tile, rows in FEW_ROW_TILES.items():
             inputs = _inputs(rows, dense[name], norm)
             default = default_few_row_plan(n, k, device)
@@ -161,9 +181,9 @@ def _few_row_plans(bench: _Bench, dense: dict[str, nn.Linear], device: torch.dev
     return plans
 
 
-def _cublaslt_gemms(bench: _Bench, dense: dict[str, nn.Linear]) -> set[tuple[int, int, int]]:
+def _cublaslt_gemms(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear]) -> set[tuple[int, int, int]]:
     faster = set()
-    for name, (n, k, norm) in QWEN3_LINEARS.items():
+    for name, (n, k, norm) in linears.items():
         for rows in GEMM_ROWS:
             inputs = _inputs(rows, dense[name], norm)
             cublas_ms, cublaslt_ms = (
@@ -175,10 +195,12 @@ def _cublaslt_gemms(bench: _Bench, dense: dict[str, nn.Linear]) -> set[tuple[int
     return faster
 
 
-def _padded_rows(bench: _Bench, dense: dict[str, nn.Linear], cublaslt: set) -> dict[tuple[int, int, int], int]:
+def _padded_rows(
+    bench: _Bench, linears: Linears, dense: dict[str, nn.Linear], cublaslt: set
+) -> dict[tuple[int, int, int], int]:
     """Norm-fed GEMMs: more rows where the libraries' heuristics pick a faster kernel for them."""
     padded = {}
-    for name, (n, k, norm) in QWEN3_LINEARS.items():
+    for name, (n, k, norm) in linears.items():
         if not norm:
             continue
         for rows in PAD_ROWS:
@@ -193,13 +215,13 @@ def _padded_rows(bench: _Bench, dense: dict[str, nn.Linear], cublaslt: set) -> d
     return padded
 
 
-def _fp8_weight_only_max_rows(bench: _Bench, fp8: dict[str, Fp8Linear]) -> int:
+def _fp8_weight_only_max_rows(bench: _Bench, linears: Linears, fp8: dict[str, Fp8Linear]) -> int:
     """The most rows up to which the Triton weight-only GEMM beats dequantizing for cuBLAS, over all shapes."""
     most = 32
     for rows in FP8_WEIGHT_ONLY_ROWS:
         triton_ms = dequantized_ms = 0.0
         for name, linear in fp8.items():
-            inputs = _inputs(rows, linear, QWEN3_LINEARS[name][2])
+            inputs = _inputs(rows, linear, linears[name][2])
             triton_ms += _time(bench, Route(Kernel.FP8_TRITON, rows), linear, inputs)
             dequantized_ms += _time(bench, Route(Kernel.FP8_DEQUANTIZED, rows), linear, inputs)
         if triton_ms > dequantized_ms:
@@ -208,7 +230,9 @@ def _fp8_weight_only_max_rows(bench: _Bench, fp8: dict[str, Fp8Linear]) -> int:
     return most
 
 
-def _block_scaled_rows(bench: _Bench, fp8: dict[str, Fp8Linear], device: torch.device) -> BlockScaledRows | None:
+def _block_scaled_rows(
+    bench: _Bench, linears: Linears, fp8: dict[str, Fp8Linear], device: torch.device
+) -> BlockScaledRows | None:
     """cuBLASLt block-scaled FP8: the row multiple it accepts, and the fewest rows from which it beats Triton."""
     multiple = _scaled_mm_row_multiple(device)
     if multiple is None:
@@ -218,7 +242,7 @@ def _block_scaled_rows(bench: _Bench, fp8: dict[str, Fp8Linear], device: torch.d
         run = -(-rows // multiple) * multiple
         triton_ms = cublaslt_ms = 0.0
         for name, linear in fp8.items():
-            inputs = _inputs(rows, linear, QWEN3_LINEARS[name][2])
+            inputs = _inputs(rows, linear, linears[name][2])
             triton_ms += _time(bench, Route(Kernel.FP8_ACT_TRITON, rows), linear, inputs)
             cublaslt_ms += _time(bench, Route(Kernel.FP8_ACT_CUBLASLT, run), linear, inputs)
         wins.append(cublaslt_ms <= FASTER * triton_ms)
