@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # `pytest -n W`: the workers share the cores, none spins on all
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 if not torch.cuda.is_available():  # Triton kernels then run (and are tested) through Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
