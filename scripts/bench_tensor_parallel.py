@@ -11,20 +11,29 @@ smc         SMC-SD 8B -> 32B (N=8, K=8) and the hierarchical stack (EAGLE3 head 
             Both do not fit one 80 GB GPU with the 32B whole, so both runs keep the 32B's first `--target-layers`
             layers.
 headline    the hierarchical stack with the whole 32B at TP=N, and each GPU's peak memory (nvidia-smi).
+host-profile where each rank's host time goes in a 0.6B decode at TP=1 and TP=N (host-bound: its step is the
+            host's): py-spy samples every process of the run; per process, the functions holding the most samples
+            inside the request loop, and the raw stacks gzipped under --out (py-spy on PATH, or beside python).
 
-    python scripts/bench_tensor_parallel.py [--parts all-reduce,control,decode,smc,headline] [--out DIR]
+    python scripts/bench_tensor_parallel.py [--parts all-reduce,control,decode,smc,headline,host-profile] [--out DIR]
 
 Each `hsmc bench` case runs in its own process, so one case's memory is gone before the next loads.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -217,6 +226,48 @@ def headline(report: Report) -> None:
                peak_mib=peaks)  # fmt: skip
 
 
+def host_profile(report: Report) -> None:
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        report.say("host-profile: py-spy is not installed (pip install py-spy)", part="host-profile")
+        return
+    for tp in (1, WORLD):
+        raw = Path(tempfile.mkdtemp()) / f"host-profile-tp{tp}.txt"
+        bench = ["bench", "--shape", "qwen3-0.6b", "--batch", "1", "--new-tokens", "4096", "--no-baseline",
+                 "--tensor-parallel", str(tp)]  # fmt: skip
+        cmd = [spy, "record", "--subprocesses", "--format", "raw", "--rate", "200", "--output", str(raw), "--",
+               sys.executable, "-c", "import sys; from hsmc.cli import main; sys.exit(main())", *bench]  # fmt: skip
+        subprocess.run(cmd, capture_output=True, text=True, env=os.environ, check=True)
+        for process, top, total in _hottest(raw.read_text().splitlines()):
+            report.say(f"TP={tp} {process}: {total} samples in the request loop; most self time in: "
+                       + "; ".join(f"{name} {count / total:.0%}" for name, count in top),
+                       part="host-profile", tp=tp, process=process, samples=total, top=top)  # fmt: skip
+        if report.out is not None:
+            report.out.mkdir(parents=True, exist_ok=True)
+            with raw.open("rb") as f, gzip.open(report.out / f"{raw.name}.gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+
+
+LOOP = ("_run_turn", "RequestDriver.follow")  # frames of the request loop, on rank 0 and on a follower
+
+
+def _hottest(lines: list[str], top: int = 12) -> list[tuple[str, list[tuple[str, int]], int]]:
+    """py-spy's raw stacks (`process PID:"cmd";[process PID:"cmd";...]frame;...;frame count`, a child's after its
+    parents') -> per process, the leaf frames with the most samples among stacks inside the request loop, and how
+    many samples those stacks hold."""
+    leaves: dict[str, Counter[str]] = {}
+    for line in lines:
+        parsed = re.fullmatch(r'((?:process \d+:".*?";)+)(.*) (\d+)', line)  # a command line may hold ';'
+        if parsed is None:
+            continue
+        process = re.findall(r"process \d+", parsed[1])[-1]
+        frames, count = parsed[2].split(";"), int(parsed[3])
+        if any(loop in frame for frame in frames for loop in LOOP):
+            leaves.setdefault(process, Counter())[frames[-1]] += count
+    return [(p, c.most_common(top), sum(c.values())) for p, c in leaves.items()]
+
+
 if __name__ == "__main__":
-    parts = {"all-reduce": all_reduce, "control": control, "decode": decode, "smc": smc, "headline": headline}
+    parts = {"all-reduce": all_reduce, "control": control, "decode": decode, "smc": smc, "headline": headline,
+             "host-profile": host_profile}  # fmt: skip
     run_parts(__doc__, parts, "bench_tensor_parallel")
