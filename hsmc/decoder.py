@@ -359,7 +359,6 @@ def follow_configs(ranks: Ranks) -> None:
         decoder.follow()
         decoder.stack.scope.release()  # as rank 0's `close` does
         del decoder
-        gc.unfreeze()  # a warmed-up decoder froze its objects out of the collector
         gc.collect()  # the stack's cycles (runners, graphs) go before the next config's loads
 
 
