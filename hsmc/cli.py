@@ -187,19 +187,23 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_ints(text: str, option: str) -> list[int]:
+    """A comma-separated list of positive integers (`1,4,16`), or one error line naming `option`."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise HsmcError(f"{option} takes comma-separated integers, got {text!r}") from None
+    if min(values) < 1:
+        raise HsmcError(f"{option} takes integers >= 1, got {text!r}")
+    return values
+
+
 def _tune_kernels(args: argparse.Namespace) -> int:
     from hsmc.ops.tune_kernels import default_path, tune_kernels
 
     if args.overrides:
         raise HsmcError(f"tune-kernels takes no config overrides, got {' '.join(args.overrides)}")
-    try:
-        sizes = [int(n) for n in args.tensor_parallel.split(",")]
-    except ValueError:
-        raise HsmcError(
-            f"tune-kernels: --tensor-parallel takes comma-separated integers, got {args.tensor_parallel!r}"
-        ) from None
-    if min(sizes) < 1:
-        raise HsmcError(f"tune-kernels: --tensor-parallel sizes must be >= 1, got {args.tensor_parallel!r}")
+    sizes = _positive_ints(args.tensor_parallel, "tune-kernels: --tensor-parallel")
     tuning, text = tune_kernels(sizes)
     out = Path(args.out) if args.out else default_path()
     out.write_text(text)
@@ -220,10 +224,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise HsmcError(f"bench: pass --config or --shape with one of {', '.join(SHAPES)} (got {unknown or 'none'})")
     if shapes and not torch.cuda.is_available():
         raise HsmcError("hsmc bench --shape measures GPU decode speed and needs a CUDA device")
-    try:
-        batches = [int(b) for b in args.batch.split(",")]
-    except ValueError:
-        raise HsmcError(f"bench: --batch takes comma-separated integers, got {args.batch!r}") from None
+    batches = _positive_ints(args.batch, "bench: --batch")
     config = load_config(args.config, args.overrides) if args.config else None
     engine = {
         "max_batch_rows": max(batches),

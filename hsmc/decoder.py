@@ -115,8 +115,10 @@ class HierarchicalDecoder:
         return self._driver
 
     def follow(self) -> None:
-        """A following tensor-parallel rank: run rank 0's driver turns until its decoder closes."""
+        """A following tensor-parallel rank: run rank 0's driver turns until its decoder closes, then destroy the
+        graphs, as rank 0's `close` does."""
         self.driver.follow(self.stack.set_mode)
+        self.stack.scope.release()
 
     @property
     def vocab_size(self) -> int:
@@ -357,7 +359,6 @@ def follow_configs(ranks: Ranks) -> None:
         except Exception:  # rank 0 raises it for every rank (`Ranks.check`) and goes on
             continue
         decoder.follow()
-        decoder.stack.scope.release()  # as rank 0's `close` does
         del decoder
         gc.collect()  # the stack's cycles (runners, graphs) go before the next config's loads
 

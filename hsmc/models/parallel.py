@@ -92,9 +92,9 @@ class SymmetricAllReduce:
 
 
 def _peer_addresses(buffer: torch.Tensor, handle: Any, group: Any) -> list[int]:
-    """Where `buffer` lies on every rank. The handle gives each rank's base of the symmetric allocation, which may
-    hold other tensors before this one (torch can sub-allocate symmetric tensors from a pool): the buffer's offset
-    in it is added, and must be the same on every rank, or the pushes would land elsewhere and the ranks wait."""
+    """Where `buffer` lies on every rank. The handle gives each rank's base of the allocation holding `buffer`:
+    `symm_mem.empty` starts one (offset 0) with torch's CUDA backend, but a backend that sub-allocates from a pool
+    would not, so the offset is added, and checked equal on every rank (else pushes would land elsewhere)."""
     offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
     offsets: list[int | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(offsets, offset, group=group)
