@@ -281,11 +281,11 @@ def bench_stack(
         tok_s_total = b * (new_tokens - 1) / decode
         levels, eager_tok_s = full, None
         if getattr(top, "cycle_graphs", None) is not None:  # a graphed cycle is timed whole: the levels' own
-            top.cycle_graphs, graphs = None, top.cycle_graphs  # times come from cycles launched op by op
+            top.replay_cycles = False  # times come from cycles launched op by op (on every rank: a stack mode)
             try:
                 eager_decode, _, levels = measure()
             finally:
-                top.cycle_graphs = graphs
+                top.replay_cycles = True
             eager_tok_s = (new_tokens - 1) / eager_decode
         costs = level_costs(decoder, levels)
         bound = roofline(costs, weight_ms)

@@ -98,18 +98,19 @@ def cycles(report: Report) -> None:
         rows_max, width = max(batches) * smc.params.particles, smc.params.block_size + 1
         estimate = LOGIT_COPIES * rows_max * width * smc.state.runner.module.config.vocab_size * 4
         used = pool_bytes(smc.cycle_graphs.scope.pool)  # every graph of the stack
-        graphs, smc.cycle_graphs = smc.cycle_graphs, None  # the eager cycles' peak, for the same requests
+        smc.replay_cycles = False  # the eager cycles' peak, for the same requests
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         decoder.generate([[7] * 64 for _ in range(max(batches))], max_new_tokens=48, ignore_eos=True)
         eager_peak = torch.cuda.max_memory_allocated() - base
-        smc.cycle_graphs = graphs
-        report.say(f"{label}: the stack's graph pool {used / 2**30:.2f} GiB, {len(graphs.captured)} cycle shapes; "
+        smc.replay_cycles = True
+        shapes = len(smc.cycle_graphs.captured)
+        report.say(f"{label}: the stack's graph pool {used / 2**30:.2f} GiB, {shapes} cycle shapes; "
                    f"eager cycles' peak above the resident memory {eager_peak / 2**30:.2f} GiB; the KV reserve's "
                    f"logits term for {rows_max} rows x {width}: {estimate / 2**30:.2f} GiB",
                    stack=label, pool_bytes=used, eager_peak=eager_peak, reserve_term=estimate)  # fmt: skip
-        del decoder, smc, graphs
+        del decoder, smc
         free()
 
 

@@ -313,3 +313,21 @@ def test_engine_modules_import_each_other_without_a_cycle():
 
     for module in imports:
         reaches(module, (module,))
+
+
+def test_the_hosts_switch_to_op_by_op_cycles_reaches_a_following_rank(smc_models, monkeypatch):  # noqa: F811
+    """`hsmc bench` times a graphed stack's levels from cycles launched op by op. Under tensor parallelism every
+    rank must follow that switch (one rank replaying a cycle while another runs it op by op waits forever on the
+    GPU), so it travels in the stack's mode; while it is off no cycle replays and the stats claim none."""
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    leader, follower = (_decoder("eagle3-rejection-smc", smc_models, max_batch_rows=8) for _ in range(2))
+    top = follower.stack.top
+    top.cycle_graphs = Graphs(top._decided_cycle, follower.stack.scope, top.graph_parts().host, top.state.timer.whole)
+    follower.warmup(progress=False)
+    for replay in (False, True):
+        leader.stack.top.replay_cycles = replay
+        follower.stack.set_mode(leader.stack.mode)
+        assert top.replay_cycles is replay
+        (result,) = follower.generate(PROMPTS[:1], max_new_tokens=20, ignore_eos=True)
+        graphed = result.stats["levels"][-1].get("graphed_cycles", 0)
+        assert (graphed > 0) is replay and (top.cycle_graphs.replays > 0) is replay

@@ -122,6 +122,7 @@ class SMCLevel:
             proposal.fill.rows = self.group_size
             proposal.fill.verify_rounds = weight_bytes(state.runner.module) / proposal.fill.round_bytes
         self.cycle_graphs = None
+        self.replay_cycles = True  # off: launches run the captured cycle op by op (bench times its levels so)
         if graph_cycles:
             host = self.graph_parts().host
             self.cycle_graphs = Graphs(self._decided_cycle, state.runner.scope, host, state.timer.whole)
@@ -153,7 +154,7 @@ class SMCLevel:
             "forward_seconds": self.state.timer.seconds(),
             "forwards": self.state.timer.count,
         }
-        if self.cycle_graphs is not None:
+        if self.cycle_graphs is not None and self.replay_cycles:
             stats["graphed_cycles"] = self.cycle_graphs.replays
         return stats
 
@@ -244,7 +245,8 @@ class SMCLevel:
         growth = self.params.block_size + 1
         if not weigh:  # weighed once the host has read the text
             return self._launch_of(groups, self._cycle(*index), self._record(), growth, weighed=False)
-        ancestors, flags, ess, tokens, record = (self.cycle_graphs or self._decided_cycle)(*index, self.stop_ids)
+        cycle = self.cycle_graphs if self.cycle_graphs is not None and self.replay_cycles else self._decided_cycle
+        ancestors, flags, ess, tokens, record = cycle(*index, self.stop_ids)
         return self._launch_of(groups, _Cycle(index[0], ancestors, flags, ess, None, tokens), record, growth, True)
 
     def settle(self, launch: Launch, values: list) -> Settled:

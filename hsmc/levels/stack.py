@@ -86,16 +86,20 @@ class Stack:
             level.reset_stats()
 
     @property
-    def mode(self) -> tuple[str, int | None, int]:
+    def mode(self) -> tuple[str, int | None, int, bool]:
         """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
-        capturing and a forced block-fill plan (both set by the warmup), and the statistics resets (a block fill's
-        plans follow its acceptance counts). Tensor-parallel ranks share it, so they run the same forwards."""
+        capturing and a forced block-fill plan (both set by the warmup), the statistics resets (a block fill's
+        plans follow its acceptance counts) and whether SMC cycles replay their graphs (`hsmc bench` times them
+        op by op too). Tensor-parallel ranks share it, so they run the same forwards and collectives."""
         fill = self.top.proposal.fill if self.is_smc else None
-        return self.scope.capturing, fill.forced if fill is not None else None, self.resets
+        replay = self.top.replay_cycles if self.is_smc else True
+        return self.scope.capturing, fill.forced if fill is not None else None, self.resets, replay
 
-    def set_mode(self, mode: tuple[str, int | None, int]) -> None:
-        capturing, forced, resets = mode
+    def set_mode(self, mode: tuple[str, int | None, int, bool]) -> None:
+        capturing, forced, resets, replay = mode
         self.scope.capturing = capturing  # type: ignore[assignment]
+        if self.is_smc:
+            self.top.replay_cycles = replay
         if self.is_smc and self.top.proposal.fill is not None:
             self.top.proposal.fill.forced = forced
         if resets != self.resets:
