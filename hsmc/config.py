@@ -32,6 +32,7 @@ class TreeConfig:
 
 
 TREE_RULES = ("target_only", "draft_aware")
+AUTO_MOST_DRAFTS = 8  # num_draft_tokens: auto chooses each round's γ in 0..8
 
 
 @dataclass
@@ -41,7 +42,10 @@ class LevelConfig:
     dtype: str = "float32"
     temperature: float = 0.0
     num_layers: int | None = None  # keep only the first n decoder layers (a cheap self-draft)
-    num_draft_tokens: int = 4  # rejection: γ drafts verified per cycle
+    # rejection: γ drafts verified per round, or "auto": each round's γ in 0..AUTO_MOST_DRAFTS (0: the target alone)
+    # for the most expected tokens per second, from round times measured at start and the acceptance seen so far
+    # (hsmc/levels/draft_length.py); auto is for a rejection level at the top of the stack
+    num_draft_tokens: int | str = 4
     tree: TreeConfig | None = None  # rejection: draft trees of this shape instead of chains (see docs/design.md)
     tree_rule: str = "target_only"  # rejection with a tree: target_only | draft_aware
     particles: int = 4  # smc: N
@@ -52,14 +56,19 @@ class LevelConfig:
     selection: str = "sample"  # smc: sample | argmax
 
     @property
+    def most_drafts(self) -> int:
+        """rejection: the most drafts a chain round verifies (γ, or AUTO_MOST_DRAFTS for "auto")."""
+        return AUTO_MOST_DRAFTS if self.num_draft_tokens == "auto" else self.num_draft_tokens  # type: ignore[return-value]
+
+    @property
     def path_length(self) -> int:
         """rejection: most drafts one round keeps (γ, or a tree's depth)."""
-        return self.num_draft_tokens if self.tree is None else self.tree.depth
+        return self.most_drafts if self.tree is None else self.tree.depth
 
     @property
     def verify_positions(self) -> int:
         """rejection: positions one verify forward runs (γ + 1, or a tree's budget + 1), in the KV until it ends."""
-        return self.num_draft_tokens + 1 if self.tree is None else self.tree.budget + 1
+        return self.most_drafts + 1 if self.tree is None else self.tree.budget + 1
 
 
 @dataclass
@@ -251,8 +260,8 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
             yield f"{key}.temperature", f" must be >= 0, got {level.temperature}"
         if level.num_layers is not None and level.num_layers <= 0:
             yield f"{key}.num_layers", f" must be positive, got {level.num_layers}"
-        if level.kind == "rejection" and level.num_draft_tokens <= 0:
-            yield f"{key}.num_draft_tokens", f" must be positive, got {level.num_draft_tokens}"
+        if level.kind == "rejection":
+            yield from _draft_count_problems(cfg, i, key)
         if level.kind == "rejection" and level.tree is not None:
             yield from _tree_problems(level.tree, level.tree_rule, cfg.levels[i - 1] if i else None, key)
         yield from _position_problems(cfg.levels, i)
@@ -285,6 +294,28 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
     ):
         if value <= 0:
             yield key, f" must be positive, got {value}"
+
+
+def _draft_count_problems(cfg: HsmcConfig, i: int, key: str) -> Iterator[tuple[str, str]]:
+    level, auto = cfg.levels[i], cfg.levels[i].num_draft_tokens == "auto"
+    if isinstance(level.num_draft_tokens, str) and not auto:
+        yield f"{key}.num_draft_tokens", f"={level.num_draft_tokens!r} is neither a number of drafts nor 'auto'"
+    elif not auto and level.num_draft_tokens <= 0:  # type: ignore[operator]
+        yield f"{key}.num_draft_tokens", f" must be positive, got {level.num_draft_tokens}"
+    elif auto and i + 1 < len(cfg.levels):
+        yield (
+            f"{key}.num_draft_tokens",
+            "='auto' is for the rejection level at the top of the stack: under another level its rounds are planned "
+            f"for one γ (under {cfg.levels[i + 1].kind!r} here); give a number",
+        )
+    elif auto and level.tree is not None:
+        yield f"{key}.num_draft_tokens", "='auto' chooses chain lengths; with a tree the tree's shape is fixed"
+    elif auto and cfg.engine.tensor_parallel > 1:
+        yield (
+            f"{key}.num_draft_tokens",
+            f"='auto' times rounds on each process, and ranks must draft alike: not with engine.tensor_parallel="
+            f"{cfg.engine.tensor_parallel}; give a number",
+        )
 
 
 def _tree_problems(tree: TreeConfig, rule: str, below: LevelConfig | None, key: str) -> Iterator[tuple[str, str]]:

@@ -29,6 +29,7 @@ from hsmc.engine.ranks import POOL, Ranks, join
 from hsmc.engine.scheduler import Admission
 from hsmc.engine.tops import StepTop
 from hsmc.errors import ConfigError, ModelLoadError
+from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
 from hsmc.models.parallel import SINGLE
@@ -38,6 +39,8 @@ from hsmc.requests import Increment, Particle, Result, SamplingParams, SMCOutcom
 __all__ = ["GenerationInterrupted", "HierarchicalDecoder", "Increment", "Particle", "Result", "SMCOutcome"]
 WARMUP_STEPS = 12  # steps of each warmup batch: its steady shapes make 8 of the last 16 rounds, and are captured
 WARMUP_PROMPTS = (8, 24, 64, 128, 256, 512, 1024)  # prompt lengths whose prefills the warmup runs once
+TIMING_ROUNDS = 4  # num_draft_tokens: auto times each γ over about this many rounds of a synthetic request ...
+TIMING_REPEATS = 2  # ... this many times, keeping the fastest
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -91,6 +94,36 @@ class HierarchicalDecoder:
             atexit.register(_close_at_exit, weakref.ref(self))
         if config.engine.warmup and (ranks is None or ranks.leader):
             self.warmup()
+        if isinstance(self.stack.top, RejectionLevel) and self.stack.top.draft_length is not None:
+            self._time_rounds(self.stack.top)
+
+    def _time_rounds(self, level: RejectionLevel) -> None:
+        """`num_draft_tokens: auto`: each γ's round time on this machine, from a synthetic request decoded at that γ
+        (its run of one token, the prefill's, subtracted), the fastest of TIMING_REPEATS after one untimed run (the
+        first calls of a process are slower). With CUDA graphs each γ's round is captured at its first run, so the
+        rounds timed are replays, as they will be. One request: the choice at larger batches uses the same times."""
+        choice, scope = level.draft_length, self.stack.scope
+        prompt = [t % self.vocab_size for t in range(1, 17)]
+        was, scope.capturing = scope.capturing, "every"
+        try:
+            choice.forced = choice.most
+            self.generate([prompt], max_new_tokens=TIMING_ROUNDS * (choice.most + 1), ignore_eos=True)
+            times = []
+            for gamma in range(choice.most + 1):
+                choice.forced, fastest = gamma, float("inf")
+                for _ in range(TIMING_REPEATS):
+                    spans = []
+                    for tokens in (1, TIMING_ROUNDS * (gamma + 1)):
+                        began = time.perf_counter()
+                        self.generate([prompt], max_new_tokens=tokens, ignore_eos=True)
+                        spans.append((time.perf_counter() - began, level.steps))
+                    (one, one_rounds), (all_, rounds) = spans
+                    fastest = min(fastest, (all_ - one) / max(rounds - one_rounds, 1))
+                times.append(1000 * fastest)
+        finally:
+            scope.capturing, choice.forced = was, None
+        choice.round_ms = times
+        choice.forget()
 
     @classmethod
     def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HierarchicalDecoder:

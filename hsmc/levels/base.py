@@ -78,6 +78,7 @@ class Emission:
 
     tokens: torch.Tensor  # int64 [R, W]
     count: torch.Tensor  # int64 [R]
+    drafts: int = 0  # a rejection step's γ: drafts each row was offered (count - 1 of them were kept)
 
 
 class Level(Protocol):

@@ -25,6 +25,9 @@ Under an `smc` level, asked for exactly K tokens, it fills the block with a host
 (`BlockFill`): rows already holding K idle through a mask, and rows still short are reported in
 `Proposal.ready`, so the SMC level defers their group's step instead of reading the device.
 
+With `num_draft_tokens: auto` (a streaming top) each step's γ is chosen by `DraftLength` from the rounds read
+so far; γ = 0 is a round of the verifier alone (the drafter catches up on the tokens at its next draft).
+
 With `graph_rounds` (CUDA) a round — the drafter's γ proposals, the verify, the acceptance test and both
 models' rollback — is a graphed unit (`Graphs`: one CUDA graph per shape, replayed), timed as a whole.
 """
@@ -39,6 +42,7 @@ from hsmc.engine.random_streams import ACCEPT, RESIDUAL, RowStreams, purpose_of
 from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Level, Proposal, SequenceState, StepOutput, masked_accept
 from hsmc.levels.block_fill import BlockFill
+from hsmc.levels.draft_length import DraftLength
 from hsmc.levels.tree import TreeShape, ancestors, path
 from hsmc.models.size import weight_bytes
 from hsmc.ops.counter_hash import combine, uniform
@@ -59,18 +63,21 @@ class RejectionLevel:
         graph_rounds: bool = False,
         tree: TreeShape | None = None,
         tree_rule: str = "target_only",
+        draft_length: DraftLength | None = None,
     ) -> None:
         """`laws`: the law each row's tokens must follow exactly; `streams`, `salt`: its random streams and its
         depth under the top. `graph_rounds`: capture each round as one CUDA graph (the runner must have CUDA
         graphs; not for a level drafting for another rejection level, whose rounds run inside that level's).
         `tree`: draft trees of this shape instead of chains of `num_draft_tokens` (then its depth), verified by
-        `tree_rule` (`hsmc.speculative.tree_verify`)."""
+        `tree_rule` (`hsmc.speculative.tree_verify`). `draft_length`: choose each step's γ up to `num_draft_tokens`."""
         self.state = state
         self.drafter = drafter
         self.tree, self.tree_rule = tree, tree_rule
         if tree is not None:
             num_draft_tokens = tree.depth
-        self.gamma = num_draft_tokens
+        self.gamma = num_draft_tokens  # of the next round (with `draft_length`, chosen per step up to this)
+        self.draft_length = draft_length
+        self.drafted = self.steps = 0  # drafts per row and steps, summed over steps (a chosen γ's mean)
         self.step_growth = num_draft_tokens + 1
         self.laws = laws
         self.streams = streams
@@ -152,11 +159,19 @@ class RejectionLevel:
 
     def step(self, rows: torch.Tensor) -> Emission:
         """One draft/verify cycle for every row; all of its 1..γ+1 tokens are handed over."""
+        if self.draft_length is not None:
+            self.gamma = self.draft_length.choose()
+            self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
         base = self.state.seq_len[rows]
         accepted, _ = self._cycle(rows)
         tokens = self.state.window(rows, base, accepted + 1, self.gamma + 1)
         self.acknowledged[rows] = self.state.seq_len[rows]
-        return Emission(tokens, accepted + 1)
+        return Emission(tokens, accepted + 1, self.gamma)
+
+    def observe(self, gamma: int, accepted: list[int]) -> None:
+        """A step's read: each row kept `accepted` of its γ drafts (what `draft_length` chooses from)."""
+        if self.draft_length is not None:
+            self.draft_length.observe(gamma, accepted)
 
     def commit(self, rows: torch.Tensor, n: int) -> None:
         self.acknowledged[rows] += n
@@ -202,13 +217,14 @@ class RejectionLevel:
 
     def graph_parts(self) -> GraphParts:
         """What a round touches (the level's own and those of the levels below)."""
-        own = GraphParts(host=[HostField(self, "ahead")])
+        own = GraphParts(host=[HostField(self, "ahead"), HostField(self, "gamma")])
         return self.state.graph_parts() + self.laws.graph_parts() + self.drafter.graph_parts() + own
 
     def reset_stats(self) -> None:
         self.state.timer.reset()
         self.yields.zero_()
         self.fill.reset()
+        self.drafted = self.steps = 0
         if self.rounds is not None:
             self.rounds.replays = 0
 
@@ -225,6 +241,8 @@ class RejectionLevel:
             stats["graphed_rounds"] = self.rounds.replays
         if self.fill.blocks:
             stats["mean_fill_rounds"] = self.fill.mean_rounds()
+        if self.steps:
+            stats["mean_draft_tokens"] = self.drafted / self.steps
         return stats
 
     def _cycle(
@@ -249,7 +267,7 @@ class RejectionLevel:
         if self.tree is not None:
             return self._tree_round(rows, active)
         gamma = self.gamma
-        draft = self.drafter.propose(rows, gamma, at_most=True)
+        draft = self.drafter.propose(rows, gamma, at_most=True) if gamma else _no_drafts(rows)
         base = self.state.seq_len[rows]  # the first draft's position
         self.state.append(rows, draft.tokens)
         step = self.state.forward(rows)
@@ -317,7 +335,7 @@ class RejectionLevel:
         if logp is None:
             emitted_logq = torch.zeros(len(rows), gamma + 1, device=rows.device)
         else:
-            chosen = torch.cat([drafts, drafts[:, :1]], 1)
+            chosen = torch.cat([drafts, token[:, None]], 1)
             chosen.scatter_(1, accepted[:, None], token[:, None])
             emitted_logq = logp.gather(-1, chosen[..., None]).squeeze(-1)
         cols = (base[:, None] + torch.arange(gamma + 1, device=rows.device)).clamp_max(self.seq_logq.shape[1] - 1)
@@ -362,10 +380,16 @@ class RejectionLevel:
         keep = ((u * q_d < p_d) & drafted).to(torch.int64)  # u < min(1, p/q)
         accepted = keep.cumprod(1).sum(1)
         # residual at the first rejection, or p_{γ+1} when every draft was kept
-        q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
+        q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], 1)
         residual = (p - q_pad).clamp_min(0)[index, accepted]
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[index, accepted])
-        ones, no_floor = torch.ones_like(p_d[:, 0]), torch.full_like(p_d[:, 0], float("-inf"))
+        ones, no_floor = torch.ones_like(p[:, 0, 0]), torch.full_like(p[:, 0, 0], float("-inf"))
         keys = self.streams.keys(rows, self.residual_purpose, base + accepted)
         token, _ = self.laws.backend.gumbel_max(residual.log(), ones, no_floor, keys)
         return accepted, token
+
+
+def _no_drafts(rows: torch.Tensor) -> Proposal:
+    """A round of γ = 0: the verifier alone (its drafter catches up at its next draft)."""
+    empty = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)
+    return Proposal(tokens=empty, logq=empty.float(), logprobs=None)

@@ -21,6 +21,7 @@ from hsmc.engine.scheduler import lookahead_tokens
 from hsmc.engine.tops import Group
 from hsmc.errors import ConfigError
 from hsmc.levels.base import Level, SequenceState
+from hsmc.levels.draft_length import DraftLength
 from hsmc.levels.eagle3 import Eagle3Level
 from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
@@ -215,9 +216,10 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, t
             tree = None if lc.tree is None else TreeShape(lc.tree.depth, lc.tree.topk, lc.tree.budget)
             levels.append(
                 RejectionLevel(
-                    state, below, lc.num_draft_tokens, laws, streams, salt,
+                    state, below, lc.most_drafts, laws, streams, salt,
                     graph_rounds=graphs and not drafts_for_rejection and tree is None, tree=tree,
                     tree_rule=lc.tree_rule,
+                    draft_length=DraftLength(lc.most_drafts) if lc.num_draft_tokens == "auto" else None,
                 )
             )  # fmt: skip
         else:

@@ -1,0 +1,101 @@
+"""`num_draft_tokens: auto` against the target alone and fixed γ, same run, batch 1 (issue 32: auto must never be
+slower than the target alone by more than the noise).
+
+    python scripts/bench_draft_length.py [--questions 4] [--new-tokens 64] [--temperature 0 1] [--repeats 3]
+
+Target: SmolLM2-135M-Instruct (fp32). Drafters: its first 10 of 30 layers (a 1 : 3 self-draft) and the shipped
+EAGLE3 head. Each prompt is a chat-templated GSM8K question decoded alone; tok/s is the median of `--repeats`
+passes over the questions after a warm-up pass (auto's start-up timing is not counted: it happens in the
+constructor). Prints the device, the target-alone baseline, each setting's decode tok/s (the prefill's time
+subtracted) and end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length,
+mean γ, and both ratios to the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hsmc.decoder import HierarchicalDecoder
+from hsmc.models.demo import demo_model_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT / "evals" / "data" / "gsm8k_test.jsonl"
+HEAD = ROOT / "assets" / "eagle3-smollm2-135m-instruct"
+
+
+def _levels(drafter: str | None, gamma: int | str, temperature: float) -> list[dict]:
+    target = str(demo_model_folder("smollm2-135m-instruct"))
+    if drafter is None:
+        return [{"kind": "model", "model": target, "temperature": temperature}]
+    below = {"kind": "eagle3", "model": str(HEAD), "dtype": "bfloat16", "temperature": temperature}
+    if drafter == "self-draft":
+        below = {"kind": "model", "model": target, "num_layers": 10, "temperature": temperature}
+    top = {"kind": "rejection", "model": target, "temperature": temperature, "num_draft_tokens": gamma}
+    return [below, top]
+
+
+def _pass(decoder: HierarchicalDecoder, questions: list[str], new_tokens: int) -> tuple[float, float, list[dict]]:
+    """Seconds of decoding each question alone (prefills included), of its decode alone (its one-token run, the
+    prefill's, subtracted), and the top level's stats."""
+    whole, decode, stats = 0.0, 0.0, []
+    for i, q in enumerate(questions):
+        spans = []
+        for n in (1, new_tokens):
+            began = time.perf_counter()
+            (result,) = decoder.generate([q], max_new_tokens=n, ignore_eos=True, seed=i)
+            spans.append(time.perf_counter() - began)
+        whole, decode = whole + spans[1], decode + spans[1] - spans[0]
+        stats.append(result.stats["levels"][-1])
+    return whole, decode, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gammas", nargs="+", default=["2", "4", "auto"], help="fixed γs and/or auto")
+    args = parser.parse_args()
+    questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
+    device = (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    print(f"device: CPU ({device}); SmolLM2-135M-Instruct fp32, batch 1, {len(questions)} GSM8K questions x "
+          f"{args.new_tokens} new tokens, median of {args.repeats} passes")  # fmt: skip
+    print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
+          f"{'accepted':>8} {'mean γ':>6}")  # fmt: skip
+    gammas = [g if g == "auto" else int(g) for g in args.gammas]
+    settings = [(None, 0)] + [(d, g) for d in ("self-draft", "eagle3") for g in gammas]
+    for temperature in args.temperature:
+        base = base_whole = None
+        for drafter, gamma in settings:
+            decoder = HierarchicalDecoder.from_config(
+                {"levels": _levels(drafter, gamma, temperature), "engine": {"max_batch_rows": 1}}
+            )
+            _pass(decoder, questions, args.new_tokens)  # warm-up
+            runs = [_pass(decoder, questions, args.new_tokens) for _ in range(args.repeats)]
+            tok_s = len(questions) * (args.new_tokens - 1) / statistics.median(r[1] for r in runs)
+            whole = len(questions) * args.new_tokens / statistics.median(r[0] for r in runs)
+            base, base_whole = base or tok_s, base_whole or whole
+            stats = [s for r in runs for s in r[2]]
+            accepted = statistics.mean(s.get("mean_accepted_length", 1.0) for s in stats)
+            mean_gamma = statistics.mean(s.get("mean_draft_tokens", gamma or 0) for s in stats)
+            label = "-" if drafter is None else gamma
+            print(f"{temperature:>4g} {drafter or 'none':>10} {label!s:>5} {tok_s:12.1f} {tok_s / base:7.2f}x "
+                  f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f}", flush=True)  # fmt: skip
+            if drafter is not None and gamma == "auto":
+                times = decoder.stack.top.draft_length.round_ms
+                print(f"     auto's round times at start (ms, γ = 0..{len(times) - 1}): "
+                      + " ".join(f"{t:.1f}" for t in times), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

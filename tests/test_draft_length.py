@@ -1,0 +1,175 @@
+"""`num_draft_tokens: auto`: the choice of each round's γ, its timing at start, and exactness whatever γ it picks."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from helpers import assert_pools_empty
+from test_eagle_level import small_vocab, verifier_and_head  # noqa: F401
+from test_rejection import _chi2_pvalue, _exact_first_tokens, _hf_greedy, pair, small_vocab_pair  # noqa: F401
+
+from hsmc.config import AUTO_MOST_DRAFTS, load_config
+from hsmc.decoder import HierarchicalDecoder
+from hsmc.errors import ConfigError
+from hsmc.levels.draft_length import PROBE_SHARE, DraftLength, expected_tokens
+
+PICKS = [0, 3, 0, 0, 1, 8, 2, 0, 5, 4, 0, 7, 6, 1]  # a schedule that visits every γ, 0 (the target alone) often
+
+
+def _auto_stack(drafter: dict, target, target_t: float, rows: int = 16) -> HierarchicalDecoder:
+    levels = [drafter, {"kind": "rejection", "model": str(target), "temperature": target_t, "num_draft_tokens": "auto"}]
+    return HierarchicalDecoder.from_config(
+        {"levels": levels, "engine": {"kv_capacity_tokens": 4096, "max_batch_rows": rows}}
+    )
+
+
+def _scheduled(decoder: HierarchicalDecoder, picks: list[int]) -> list[int]:
+    """Make the level take γ from `picks` round after round (as any history-dependent choice may); the γs taken."""
+    taken: list[int] = []
+    schedule = itertools.cycle(picks)
+
+    def choose() -> int:
+        taken.append(next(schedule))
+        return taken[-1]
+
+    decoder.stack.top.draft_length.choose = choose
+    return taken
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    for rate, gamma in [(0.0, 3), (0.5, 0), (0.7, 4), (0.99, 8)]:
+        assert expected_tokens(rate, gamma) == pytest.approx((1 - rate ** (gamma + 1)) / (1 - rate))
+
+
+def test_the_choice_maximizes_expected_tokens_per_second_and_follows_acceptance():
+    """A round costs 10 ms plus 1.2 ms a draft: at α = 0.9 the longest chain wins, and as rounds come back rejected the
+    choice shortens, then the target alone wins (probed with γ = 1 so seldom that the probes' extra time is
+    PROBE_SHARE of the time at most); acceptance returning brings drafting back."""
+    choice = DraftLength(8)
+    choice.round_ms = [10.0 + 1.2 * g for g in range(9)]  # γ drafts then a verify of γ + 1 positions
+    choice.kept, choice.rejected = 90.0, 10.0
+    assert choice.choose() == max(range(9), key=lambda g: expected_tokens(0.9, g) / choice.round_ms[g]) == 8
+    seen = []
+    for _ in range(300):
+        gamma = choice.choose()
+        seen.append(gamma)
+        if gamma:
+            choice.observe(gamma, [0])  # every first draft rejected
+    assert choice.rate < 0.1
+    every = choice.probe_every
+    assert every == 6 and every * 10.0 * PROBE_SHARE >= choice.round_ms[1] - choice.round_ms[0] - 1e-9
+    last = seen[-3 * every :]
+    assert last.count(0) == 3 * every - 3 and last.count(1) == 3, "the target alone, probed once every 6 rounds"
+    for _ in range(200):
+        gamma = choice.choose()
+        if gamma:
+            choice.observe(gamma, [gamma])  # every draft kept again
+    assert choice.choose() == 8
+
+
+def test_costly_drafts_are_never_chosen_when_no_length_pays_for_itself():
+    """The CPU case of issue 32: a 5-token verify costs ~3.3 one-token steps and drafts a third of one. Even at an
+    accepted length of 4.0 of 5, γ = 4 gives 4.0 / (3.3 + 4/3) < 1 token per step: no γ wins, the target alone
+    runs except for the probes (γ = 1, one round in 46: 2 % of the time)."""
+    choice = DraftLength(8)
+    choice.round_ms = [1.0] + [0.575 * (g + 1) + g / 3 + 0.425 for g in range(1, 9)]
+    choice.kept, choice.rejected = 0.8 * 1000, 0.2 * 1000  # α ≈ 0.8: 3.4 tokens a round at γ = 4
+    assert choice.probe_every == 46
+    picks = [choice.choose() for _ in range(4 * 46)]
+    assert picks.count(0) == 4 * 46 - 4 and picks.count(1) == 4
+
+
+def test_auto_is_refused_where_a_round_must_take_one_gamma(pair):  # noqa: F811
+    draft, target = pair
+    base = [{"kind": "model", "model": str(draft)}, {"kind": "rejection", "model": str(target)}]
+    cases = {
+        "under another level": [
+            base[0],
+            {**base[1], "num_draft_tokens": "auto", "temperature": 1.0},
+            {"kind": "smc", "model": str(target), "temperature": 1.0},
+        ],
+        "with a tree": [base[0], {**base[1], "num_draft_tokens": "auto", "tree": {"depth": 3}}],
+        "neither a number": [base[0], {**base[1], "num_draft_tokens": "many"}],
+    }
+    for levels in cases.values():
+        with pytest.raises(ConfigError, match=r"levels\[1\]\.num_draft_tokens"):
+            load_config({"levels": levels})
+    with pytest.raises(ConfigError, match="engine.tensor_parallel=2"):
+        load_config({"levels": [base[0], {**base[1], "num_draft_tokens": "auto"}], "engine": {"tensor_parallel": 2}})
+
+
+def test_start_times_every_gamma_and_a_longer_round_costs_more(pair):  # noqa: F811
+    """Each γ in 0..AUTO_MOST_DRAFTS is timed at start (γ drafts and a verify of γ + 1 positions: the longest round
+    costs more than the verifier alone); the timing's synthetic rounds leave no trace in the acceptance estimate."""
+    draft, target = pair
+    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0)
+    choice = decoder.stack.top.draft_length
+    assert len(choice.round_ms) == AUTO_MOST_DRAFTS + 1 and min(choice.round_ms) > 0
+    assert choice.round_ms[AUTO_MOST_DRAFTS] > choice.round_ms[0]
+    assert (choice.kept, choice.rejected, choice.forced) == (1.0, 1.0, None)
+    result = decoder.generate([[5, 9, 13]], max_new_tokens=16, ignore_eos=True)[0]
+    assert 0 <= result.stats["levels"][1]["mean_draft_tokens"] <= AUTO_MOST_DRAFTS
+    assert_pools_empty(decoder)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_greedy_output_is_the_verifiers_whatever_gamma_each_round_takes(pair, verifier_and_head, drafter):  # noqa: F811
+    """T = 0: rounds of γ = 0 (the verifier alone, the drafter catching up later) mixed with chains up to 8 give
+    transformers' greedy decode token for token, for a model drafter and an EAGLE3 head."""
+    if drafter == "model":
+        below, target = {"kind": "model", "model": str(pair[0])}, pair[1]
+    else:
+        below, target = {"kind": "eagle3", "model": str(verifier_and_head[1])}, verifier_and_head[0]
+    decoder = _auto_stack(below, target, 0.0)
+    taken = _scheduled(decoder, PICKS)
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42, 43, 44, 45], [3]]
+    results = decoder.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == _hf_greedy(target, prompt, 24)
+    assert set(taken) == set(PICKS)
+    assert_pools_empty(decoder)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
+def test_lossless_in_distribution_whatever_gamma_each_round_takes(small_vocab_pair, small_vocab, drafter):  # noqa: F811
+    """T = 1, 20 000 samples of 3 tokens with γ changing every round (0..8): χ² against the verifier's exact law,
+    and the drafter's own law is told apart (the test has power)."""
+    if drafter == "model":
+        (draft, target), below = small_vocab_pair, {"kind": "model", "model": str(small_vocab_pair[0])}
+        below["temperature"] = 0.7
+    else:
+        target, head = small_vocab
+        draft, below = None, {"kind": "eagle3", "model": str(head), "temperature": 1.0}
+    decoder = _auto_stack(below, target, 1.0, rows=2500)
+    picks = PICKS[:]
+    random.Random(5).shuffle(picks)
+    _scheduled(decoder, picks)
+    prompt, n_samples = [1, 4, 2], 20_000
+    results = decoder.generate([prompt] * n_samples, max_new_tokens=3, ignore_eos=True, seed=17)
+    samples = [tuple(r.token_ids) for r in results]
+    assert _chi2_pvalue(samples, _exact_first_tokens(target, prompt, 3)) > 1e-3
+    if draft is not None:
+        assert _chi2_pvalue(samples, _exact_first_tokens(draft, prompt, 3)) < 1e-6
+    assert results[0].stats["levels"][1]["mean_accepted_length"] > 1.0, "drafts should be kept in some rounds"
+    assert_pools_empty(decoder)
+
+
+def test_start_timing_captures_each_gammas_round_so_the_rounds_timed_are_replays(pair, monkeypatch):  # noqa: F811
+    """On CUDA a round is one graph per shape (γ among its keys): the timing captures every γ's round at its first
+    run (units and captures emulated here), so what it times is what decoding will replay; capturing is then as
+    before."""
+    from test_round_graphs import _emulated_capture
+
+    from hsmc.engine.graphs import Graphs
+
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    decoder = _auto_stack({"kind": "model", "model": str(pair[0])}, pair[1], 0.0)
+    level, scope = decoder.stack.top, decoder.stack.scope
+    level.rounds = Graphs(level._kept, scope, level.graph_parts().host, level.state.timer.whole)
+    was = scope.capturing
+    decoder._time_rounds(level)
+    gamma = [f.name for f in level.rounds.host if f.role == "key"].index("gamma")
+    assert {key[0][2][gamma] for key in level.rounds.captured} == set(range(AUTO_MOST_DRAFTS + 1))
+    assert level.rounds.missed == 0 and scope.capturing == was
