@@ -102,6 +102,8 @@ class HierarchicalDecoder:
         (its run of one token, the prefill's, subtracted), the fastest of TIMING_REPEATS after one untimed run (the
         first calls of a process are slower). With CUDA graphs each γ's round is captured at its first run, so the
         rounds timed are replays, as they will be. One request: the choice at larger batches uses the same times."""
+        from tqdm import tqdm
+
         choice, scope = level.draft_length, self.stack.scope
         prompt = [t % self.vocab_size for t in range(1, 17)]
         was, scope.capturing = scope.capturing, "every"
@@ -109,7 +111,8 @@ class HierarchicalDecoder:
             choice.forced = choice.most
             self.generate([prompt], max_new_tokens=TIMING_ROUNDS * (choice.most + 1), ignore_eos=True)
             times = []
-            for gamma in range(choice.most + 1):
+            for gamma in tqdm(range(choice.most + 1), desc="num_draft_tokens: auto, timing rounds", unit="γ",
+                              file=sys.stderr):  # fmt: skip
                 choice.forced, fastest = gamma, float("inf")
                 for _ in range(TIMING_REPEATS):
                     spans = []
