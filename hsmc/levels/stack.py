@@ -101,8 +101,8 @@ class Stack:
         self.scope.capturing = capturing  # type: ignore[assignment]
         if self.is_smc:
             self.top.replay_cycles = replay
-        if self.is_smc and self.top.proposal.fill is not None:
-            self.top.proposal.fill.forced = forced
+            if self.top.proposal.fill is not None:
+                self.top.proposal.fill.forced = forced
         if resets != self.resets:
             self.reset_stats()
             self.resets = resets
