@@ -33,6 +33,8 @@ class TreeConfig:
 
 TREE_RULES = ("target_only", "draft_aware")
 AUTO_MOST_DRAFTS = 8  # num_draft_tokens: auto chooses each round's γ in 0..8
+# tree: auto chooses each round's draft among chains and these trees (the shapes scripts/tree_acceptance.py measures)
+AUTO_TREES = (TreeConfig(3, 2, 4), TreeConfig(4, 3, 8), TreeConfig(5, 4, 16), TreeConfig(6, 6, 32))
 
 
 @dataclass
@@ -46,7 +48,9 @@ class LevelConfig:
     # for the most expected tokens per second, from round times measured at start and the acceptance seen so far
     # (hsmc/levels/draft_length.py); auto is for a rejection level at the top of the stack
     num_draft_tokens: int | str = 4
-    tree: TreeConfig | None = None  # rejection: draft trees of this shape instead of chains (see docs/design.md)
+    # rejection: draft trees of this shape instead of chains (see docs/design.md), or "auto": each round a chain of up
+    # to num_draft_tokens drafts (none included) or one of AUTO_TREES, chosen as num_draft_tokens: auto chooses γ
+    tree: TreeConfig | str | None = None
     tree_rule: str = "target_only"  # rejection with a tree: target_only | draft_aware
     particles: int = 4  # smc: N
     block_size: int = 4  # smc: K proposal tokens per cycle (0 = target-only sampling)
@@ -61,14 +65,26 @@ class LevelConfig:
         return AUTO_MOST_DRAFTS if self.num_draft_tokens == "auto" else self.num_draft_tokens  # type: ignore[return-value]
 
     @property
+    def chooses_shape(self) -> bool:
+        """rejection: each round's draft shape is chosen (num_draft_tokens or tree "auto")."""
+        return "auto" in (self.num_draft_tokens, self.tree)
+
+    @property
+    def trees(self) -> tuple[TreeConfig, ...]:
+        """rejection: the tree shapes its rounds may draft."""
+        return AUTO_TREES if self.tree == "auto" else () if self.tree is None else (self.tree,)  # type: ignore[return-value]
+
+    @property
     def path_length(self) -> int:
         """rejection: most drafts one round keeps (γ, or a tree's depth)."""
-        return self.most_drafts if self.tree is None else self.tree.depth
+        chain = () if isinstance(self.tree, TreeConfig) else (self.most_drafts,)
+        return max((*chain, *(t.depth for t in self.trees)))
 
     @property
     def verify_positions(self) -> int:
         """rejection: positions one verify forward runs (γ + 1, or a tree's budget + 1), in the KV until it ends."""
-        return self.most_drafts + 1 if self.tree is None else self.tree.budget + 1
+        chain = () if isinstance(self.tree, TreeConfig) else (self.most_drafts,)
+        return max((*chain, *(t.budget for t in self.trees))) + 1
 
 
 @dataclass
@@ -262,8 +278,11 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
             yield f"{key}.num_layers", f" must be positive, got {level.num_layers}"
         if level.kind == "rejection":
             yield from _draft_count_problems(cfg, i, key)
-        if level.kind == "rejection" and level.tree is not None:
-            yield from _tree_problems(level.tree, level.tree_rule, cfg.levels[i - 1] if i else None, key)
+        if level.kind == "rejection" and isinstance(level.tree, str) and level.tree != "auto":
+            yield f"{key}.tree", f"={level.tree!r} is neither a tree shape (depth, topk, budget) nor 'auto'"
+        elif level.kind == "rejection":
+            for tree in level.trees:
+                yield from _tree_problems(tree, level.tree_rule, cfg.levels[i - 1] if i else None, key)
         yield from _position_problems(cfg.levels, i)
         if level.kind == "smc":
             yield from _smc_problems(level, cfg.levels[i - 1], i)
@@ -298,23 +317,24 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
 
 def _draft_count_problems(cfg: HsmcConfig, i: int, key: str) -> Iterator[tuple[str, str]]:
     level, auto = cfg.levels[i], cfg.levels[i].num_draft_tokens == "auto"
+    chosen = f"{key}.num_draft_tokens" if auto else f"{key}.tree"  # the key that asks for a chosen shape
     if isinstance(level.num_draft_tokens, str) and not auto:
         yield f"{key}.num_draft_tokens", f"={level.num_draft_tokens!r} is neither a number of drafts nor 'auto'"
     elif not auto and level.num_draft_tokens <= 0:  # type: ignore[operator]
         yield f"{key}.num_draft_tokens", f" must be positive, got {level.num_draft_tokens}"
-    elif auto and i + 1 < len(cfg.levels):
-        yield (
-            f"{key}.num_draft_tokens",
-            "='auto' is for the rejection level at the top of the stack: under another level its rounds are planned "
-            f"for one γ (under {cfg.levels[i + 1].kind!r} here); give a number",
-        )
-    elif auto and level.tree is not None:
+    elif auto and isinstance(level.tree, TreeConfig):
         yield f"{key}.num_draft_tokens", "='auto' chooses chain lengths; with a tree the tree's shape is fixed"
-    elif auto and cfg.engine.tensor_parallel > 1:
+    elif level.chooses_shape and i + 1 < len(cfg.levels):
         yield (
-            f"{key}.num_draft_tokens",
+            chosen,
+            "='auto' is for the rejection level at the top of the stack: under another level its rounds are planned "
+            f"for one draft shape (under {cfg.levels[i + 1].kind!r} here); give a number or a tree",
+        )
+    elif level.chooses_shape and cfg.engine.tensor_parallel > 1:
+        yield (
+            chosen,
             f"='auto' times rounds on each process, and ranks must draft alike: not with engine.tensor_parallel="
-            f"{cfg.engine.tensor_parallel}; give a number",
+            f"{cfg.engine.tensor_parallel}; give a number or a tree",
         )
 
 

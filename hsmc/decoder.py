@@ -40,7 +40,8 @@ __all__ = ["GenerationInterrupted", "HierarchicalDecoder", "Increment", "Particl
 WARMUP_STEPS = 12  # steps of each warmup batch: its steady shapes make 8 of the last 16 rounds, and are captured
 WARMUP_PROMPTS = (8, 24, 64, 128, 256, 512, 1024)  # prompt lengths whose prefills the warmup runs once
 TIMING_ROUNDS = 4  # num_draft_tokens: auto times each γ over about this many rounds of a synthetic request ...
-TIMING_REPEATS = 2  # ... this many times, keeping the fastest
+TIMING_REPEATS = 2  # ... this many times, keeping the fastest ...
+TIMING_RETRIES = 4  # ... of timings without a graph capture (at most this many more tries)
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -98,10 +99,12 @@ class HierarchicalDecoder:
             self._time_rounds(self.stack.top)
 
     def _time_rounds(self, level: RejectionLevel) -> None:
-        """`num_draft_tokens: auto`: each γ's round time on this machine, from a synthetic request decoded at that γ
-        (its run of one token, the prefill's, subtracted), the fastest of TIMING_REPEATS after one untimed run (the
-        first calls of a process are slower). With CUDA graphs each γ's round is captured at its first run, so the
-        rounds timed are replays, as they will be. One request: the choice at larger batches uses the same times."""
+        """`num_draft_tokens: auto` / `tree: auto`: each arm's round time on this machine (a chain's γ, a tree), from
+        a synthetic request decoded with it (its run of one token, the prefill's, subtracted), the fastest of
+        TIMING_REPEATS timings after one untimed run (the first calls of a process are slower). With CUDA graphs
+        each shape is captured at its first run and a timing during which any graph was captured is taken again: a
+        capture costs more than many rounds (on an H100 such timings came out negative). One request: the choice at
+        larger batches uses the same times."""
         from tqdm import tqdm
 
         choice, scope = level.draft_length, self.stack.scope
@@ -111,18 +114,23 @@ class HierarchicalDecoder:
             choice.forced = choice.most
             self.generate([prompt], max_new_tokens=TIMING_ROUNDS * (choice.most + 1), ignore_eos=True)
             times = []
-            for gamma in tqdm(range(choice.most + 1), desc="num_draft_tokens: auto, timing rounds", unit="γ",
-                              file=sys.stderr):  # fmt: skip
-                choice.forced, fastest = gamma, float("inf")
-                for _ in range(TIMING_REPEATS):
-                    spans = []
-                    for tokens in (1, TIMING_ROUNDS * (gamma + 1)):
+            for arm in tqdm(range(choice.arms), desc="draft shape: auto, timing rounds", unit="shape",
+                            file=sys.stderr):  # fmt: skip
+                choice.forced, timed = arm, []
+                for _ in range(TIMING_REPEATS + TIMING_RETRIES):
+                    graphs, spans = scope.graphs_captured(), []
+                    for tokens in (1, TIMING_ROUNDS * (choice.shape(arm)[0] + 1)):
                         began = time.perf_counter()
                         self.generate([prompt], max_new_tokens=tokens, ignore_eos=True)
                         spans.append((time.perf_counter() - began, level.steps))
                     (one, one_rounds), (all_, rounds) = spans
-                    fastest = min(fastest, (all_ - one) / max(rounds - one_rounds, 1))
-                times.append(1000 * fastest)
+                    if scope.graphs_captured() == graphs:
+                        timed.append((all_ - one) / max(rounds - one_rounds, 1))
+                    if len(timed) == TIMING_REPEATS:
+                        break
+                if not timed:
+                    raise RuntimeError(f"draft shape auto: every timing of {choice.shape(arm)} captured a CUDA graph")
+                times.append(1000 * min(timed))
         finally:
             scope.capturing, choice.forced = was, None
         choice.round_ms = times

@@ -1,7 +1,8 @@
-"""`num_draft_tokens: auto` against the target alone and fixed γ, same run, batch 1 (issue 32: auto must never be
-slower than the target alone by more than the noise).
+"""`num_draft_tokens: auto` (and `tree: auto`) against the target alone and fixed γ, same run, batch 1 (issue 32:
+auto must never be slower than the target alone by more than the noise, and on a GPU match the best fixed setting).
 
     python scripts/bench_draft_length.py [--questions 4] [--new-tokens 64] [--temperature 0 1] [--repeats 3]
+        [--device cuda|cpu]
 
 Target: SmolLM2-135M-Instruct (fp32). Drafters: its first 10 of 30 layers (a 1 : 3 self-draft) and the shipped
 EAGLE3 head. Each prompt is a chat-templated GSM8K question decoded alone; tok/s is the median of `--repeats`
@@ -38,6 +39,8 @@ def _levels(drafter: str | None, gamma: int | str, temperature: float) -> list[d
     if drafter == "self-draft":
         below = {"kind": "model", "model": target, "num_layers": 10, "temperature": temperature}
     top = {"kind": "rejection", "model": target, "temperature": temperature, "num_draft_tokens": gamma}
+    if gamma == "tree-auto":  # chains and trees
+        top.update(num_draft_tokens="auto", tree="auto")
     return [below, top]
 
 
@@ -62,23 +65,26 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gammas", nargs="+", default=["2", "4", "auto"], help="fixed γs and/or auto")
+    parser.add_argument("--gammas", nargs="+", default=["2", "4", "auto"], help="fixed γs, auto, tree-auto")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
-    device = (
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    )
-    print(f"device: CPU ({device}); SmolLM2-135M-Instruct fp32, batch 1, {len(questions)} GSM8K questions x "
+    if args.device == "cuda":
+        device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA graphs"
+    else:
+        cpu = platform.processor() or platform.machine()
+        device = f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"device: {device}; SmolLM2-135M-Instruct fp32, batch 1, {len(questions)} GSM8K questions x "
           f"{args.new_tokens} new tokens, median of {args.repeats} passes")  # fmt: skip
     print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
           f"{'accepted':>8} {'mean γ':>6}")  # fmt: skip
-    gammas = [g if g == "auto" else int(g) for g in args.gammas]
+    gammas = [g if g in ("auto", "tree-auto") else int(g) for g in args.gammas]
     settings = [(None, 0)] + [(d, g) for d in ("self-draft", "eagle3") for g in gammas]
     for temperature in args.temperature:
         base = base_whole = None
         for drafter, gamma in settings:
             decoder = HierarchicalDecoder.from_config(
-                {"levels": _levels(drafter, gamma, temperature), "engine": {"max_batch_rows": 1}}
+                {"levels": _levels(drafter, gamma, temperature), "engine": {"max_batch_rows": 1, "device": args.device}}
             )
             _pass(decoder, questions, args.new_tokens)  # warm-up
             runs = [_pass(decoder, questions, args.new_tokens) for _ in range(args.repeats)]
@@ -91,9 +97,10 @@ def main() -> None:
             label = "-" if drafter is None else gamma
             print(f"{temperature:>4g} {drafter or 'none':>10} {label!s:>5} {tok_s:12.1f} {tok_s / base:7.2f}x "
                   f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f}", flush=True)  # fmt: skip
-            if drafter is not None and gamma == "auto":
-                times = decoder.stack.top.draft_length.round_ms
-                print(f"     auto's round times at start (ms, γ = 0..{len(times) - 1}): "
+            if drafter is not None and gamma in ("auto", "tree-auto"):
+                choice = decoder.stack.top.draft_length
+                times = choice.round_ms
+                print(f"     {gamma}'s round times at start (ms, γ = 0..{choice.most}, then trees): "
                       + " ".join(f"{t:.1f}" for t in times), flush=True)  # fmt: skip
 
 

@@ -10,8 +10,12 @@ profile-smc  the forwards of an SMC cycle by kernel (8B proposal step 8 x 1, 32B
              draft step 6 x 1), with and without programmatic dependent launch (the PDL-off run is the baseline).
 vocab        what follows a forward over the 151,936-entry vocabulary: a Gumbel-max draw for 8 rows and the float64
              log-sum-exps of a 72-row verify (`hsmc.ops.vocab`), against the torch route and the logits' read.
+tree-verify  issue 32: the 8B's verify over a draft tree's budget + 1 tokens (tree mask, positions by depth) and over
+             a chain of as many, at 1 and 4 rows, against the weight read; then the cost model's tok/s of [EAGLE3
+             head -> 8B] with a tree and with a chain of the same budget at the SmolLM2 head's measured acceptance.
 
-    python scripts/bench_forwards.py [--parts verify,prefill,capture,profile,profile-smc,vocab] [--out DIR]
+    python scripts/bench_forwards.py [--parts verify,prefill,capture,profile,profile-smc,vocab,tree-verify]
+        [--out DIR]
 
 Decode tok/s against transformers and the roofline: `hsmc bench --shape qwen3-8b,qwen3-32b [--dtype fp8]`.
 """
@@ -34,11 +38,11 @@ from hsmc.models.size import weight_bytes
 from hsmc.ops.triton_backend import TritonBackend
 
 
-def runner_of(shape: str, rows: int, row_tokens: int) -> tuple[ModelRunner, BlockTables]:
+def runner_of(shape: str, rows: int, row_tokens: int, graphs: bool = True) -> tuple[ModelRunner, BlockTables]:
     cfg = DecoderConfig.from_hf(hf_config(shape))
     tables = BlockTables(SlotAllocator(rows * row_tokens, "cuda"), rows, row_tokens)
     model = random_model(cfg, torch.bfloat16, "cuda")
-    return ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True), tables
+    return ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=graphs), tables
 
 
 def verify(report: Report) -> None:
@@ -235,7 +239,87 @@ def vocab(report: Report) -> None:
                    case=label, kernel_us=kernel_us, torch_us=torch_us, roofline_us=bound_us)  # fmt: skip
 
 
+TREES = {8: (4, 3), 16: (5, 4), 32: (6, 6), 64: (7, 10)}  # budget -> (depth, topk), scripts/tree_acceptance.py's
+# Accepted tokens per verify (chain of γ = budget, the better tree rule) of the shipped SmolLM2 EAGLE3 head on 12 GSM8K
+# questions at T = 1, docs/measurements/2026-11-27-cpu-tree-acceptance-12q.txt (64: not measured)
+SMOLLM2_ACCEPTED = {8: (1.43, 1.60), 16: (1.44, 1.71), 32: (1.43, 1.70)}
+
+
+def random_tree(budget: int, depth: int, rows_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A root and `budget` nodes, each under a random earlier node of depth < `depth`: (depth [R, N], seen [R, N, N],
+    each node's ancestors and itself), the same tree in every row."""
+    g = torch.Generator().manual_seed(budget)
+    levels, seen = [0], torch.eye(budget + 1, dtype=torch.bool)
+    for node in range(1, budget + 1):
+        open_ = [n for n in range(node) if levels[n] < depth]
+        parent = open_[int(torch.randint(len(open_), (1,), generator=g))]
+        levels.append(levels[parent] + 1)
+        seen[node] |= seen[parent]
+    as_rows = (torch.tensor(levels)[None].expand(rows_n, -1), seen[None].expand(rows_n, -1, -1))
+    return tuple(t.contiguous().cuda() for t in as_rows)
+
+
+def verify_times(report: Report, rows_n: int, context: int) -> dict[tuple[int, bool], float]:
+    """{(budget, tree): ms} of the 8B's verify of `rows_n` rows x budget + 1 tokens after `context` (graph replays)."""
+    from dataclasses import replace
+
+    from hsmc.levels.tree import tree_mask
+
+    runner, tables = runner_of("qwen3-8b", rows_n, context + 128, graphs=False)
+    read_ms = report.read_ms(weight_bytes(runner.module))
+    rows, times = torch.arange(rows_n, device="cuda"), {}
+    with torch.inference_mode():
+        prompt = torch.randint(0, 1000, (rows_n, context), device="cuda")
+        runner.forward(runner.new_tokens(rows, prompt, torch.full_like(rows, context), context), last_only=True)
+        for budget, (depth, _) in TREES.items():
+            n = budget + 1
+            tokens, count = torch.randint(0, 1000, (rows_n, n), device="cuda"), torch.full_like(rows, n)
+            levels, seen = random_tree(budget, depth, rows_n)
+
+            def step(tree: bool, tokens=tokens, count=count, n=n, levels=levels, seen=seen) -> None:
+                batch = runner.new_tokens(rows, tokens, count, context + n)  # rolled back after each verify
+                if tree:
+                    mask = tree_mask(seen, batch.start, batch.max_context)
+                    batch = replace(batch, positions=batch.start[:, None] + levels, mask=mask)
+                runner.forward(batch)
+                tables.rollback(rows, count, n)
+
+            for tree in (False, True):
+                step(tree)
+                times[budget, tree] = triton.testing.do_bench_cudagraph(functools.partial(step, tree))
+            chain_ms, tree_ms = times[budget, False], times[budget, True]
+            report.say(f"  {rows_n} x {n:>2} tokens: chain {chain_ms:.3f} ms ({chain_ms / read_ms:.2f}x the weight "
+                       f"read {read_ms:.3f} ms), tree {tree_ms:.3f} ms ({tree_ms / read_ms:.2f}x; "
+                       f"{tree_ms / chain_ms:.2f}x the chain)", part="tree-verify", rows=rows_n, budget=budget,
+                       chain_ms=chain_ms, tree_ms=tree_ms, weight_read_ms=read_ms)  # fmt: skip
+    return times
+
+
+def tree_verify(report: Report) -> None:
+    report.say("== verify of a draft tree (budget + 1 tokens) and of a chain of as many, 8B shape, after 256 tokens ==")
+    context, verify_ms = 256, {}
+    for rows_n in (1, 4):
+        verify_ms[rows_n] = verify_times(report, rows_n, context)
+        gc.collect()
+        torch.cuda.empty_cache()
+    report.say("== cost model: [EAGLE3 head -> 8B] rounds at the SmolLM2 head's acceptance (T = 1), tree vs chain ==")
+    for rows_n in (1, 4):
+        widths = {1, 2, *(topk for _, topk in TREES.values())}
+        head_ms = {w: profile_forward("qwen3-8b", rows_n, w, context, head=True)[1] for w in sorted(widths)}
+        for budget, (chain_accepted, tree_accepted) in SMOLLM2_ACCEPTED.items():
+            depth, topk = TREES[budget]
+            # a round: the head's forward over the new pairs (~2), its further draft steps, the verify
+            chain_ms = head_ms[2] + (budget - 1) * head_ms[1] + verify_ms[rows_n][budget, False]
+            tree_ms = head_ms[2] + (depth - 1) * head_ms[topk] + verify_ms[rows_n][budget, True]
+            chain_tok_s, tree_tok_s = 1e3 * chain_accepted / chain_ms, 1e3 * tree_accepted / tree_ms
+            report.say(f"  {rows_n} row(s), budget {budget}: chain {chain_accepted:.2f}/round in {chain_ms:.2f} ms "
+                       f"= {chain_tok_s:.1f} tok/s; tree ({depth}, {topk}) {tree_accepted:.2f}/round in "
+                       f"{tree_ms:.2f} ms = {tree_tok_s:.1f} tok/s ({tree_tok_s / chain_tok_s:.2f}x)",
+                       part="tree-cost", rows=rows_n, budget=budget, chain_round_ms=chain_ms, tree_round_ms=tree_ms,
+                       chain_tok_s=chain_tok_s, tree_tok_s=tree_tok_s)  # fmt: skip
+
+
 if __name__ == "__main__":
     parts = {"verify": verify, "prefill": prefill, "capture": capture, "profile": profile, "profile-smc": profile_smc,
-             "vocab": vocab}  # fmt: skip
+             "vocab": vocab, "tree-verify": tree_verify}  # fmt: skip
     run_parts(__doc__.split("\n\n")[0], parts, "bench_forwards")

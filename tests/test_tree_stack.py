@@ -228,3 +228,37 @@ def test_draft_aware_keeps_every_child_drawn_from_the_verifiers_own_law(target):
         accepted[rule] = results[0].stats["levels"][1]["mean_accepted_length"]
     assert accepted["draft_aware"] == 5.0
     assert accepted["target_only"] < 2.0
+
+
+@pytest.mark.parametrize("kind,rule", [("model", "target_only"), ("model", "draft_aware"), ("eagle3", "draft_aware")])
+def test_graphed_tree_rounds_decode_as_eager_ones(target, eagle, kind, rule, monkeypatch):
+    """A tree round is one graph per shape on CUDA (captures emulated here: the graph's replay runs the round
+    again with its inputs copied in and its host ints moved by the amounts its first run measured). A seeded T = 1
+    batch decodes the same tokens through replayed tree rounds as eagerly, and the KV keeps only the paths."""
+    from test_round_graphs import _emulated_capture
+
+    from hsmc.engine.graphs import Graphs
+
+    head, verifier = eagle
+    drafter = {"kind": "model", "model": str(target), "num_layers": 3, "temperature": 1.0}
+    if kind == "eagle3":
+        drafter = {"kind": "eagle3", "model": str(head), "temperature": 1.0}
+    else:
+        verifier = target
+    tree = {"tree": {"depth": 3, "topk": 2, "budget": 5}, "tree_rule": rule, "temperature": 1.0}
+    prompts = [[5, 9, 13], [7] * 11, [40, 41, 42]]
+
+    def decode(graphed: bool) -> tuple[list[list[int]], HierarchicalDecoder]:
+        decoder = _levels(drafter, verifier, **tree)
+        level = decoder.stack.top
+        if graphed:
+            level.rounds = Graphs(level._kept, decoder.stack.scope, level.graph_parts().host, level.state.timer.whole)
+        results = [decoder.generate(prompts, max_new_tokens=24, ignore_eos=True, seed=7) for _ in range(2)]
+        return [r.token_ids for r in results[-1]], decoder
+
+    eager, _ = decode(False)
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    graphed, decoder = decode(True)
+    assert graphed == eager
+    assert decoder.stack.top.rounds.replays > 0
+    assert_pools_empty(decoder)

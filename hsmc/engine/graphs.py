@@ -117,6 +117,10 @@ class GraphScope:
         finally:
             self.bucket = was
 
+    def graphs_captured(self) -> int:
+        """Graphs its units hold: a change between two reads means a capture ran in between."""
+        return sum(c is not None for unit in self.units for c in unit.captured.values())
+
     def release(self) -> None:
         """Destroy every captured graph and its memory; later runs capture again. A stack under tensor parallelism
         must do this before its group ends: NCCL (2.26 on) destroys no communicator while a graph that captured its

@@ -140,11 +140,11 @@ class StepTop:
         emission = self.level.step(rows)
         counters = torch.cat([*self.level.row_counters(rows), rows.new_zeros(len(rows), 0)], 1)
         read = PendingRead(torch.cat([emission.tokens, emission.count[:, None]], 1), counters)
-        return Launch(groups, read, self.level.step_growth, cycle=emission.drafts)
+        return Launch(groups, read, self.level.step_growth, cycle=emission.choice)
 
     def settle(self, launch: Launch, values: list) -> Settled:
         steps, counters = values  # float64: exact for token ids and counts
-        if launch.cycle:  # a rejection step that drafted: what its rows kept
+        if launch.cycle is not None:  # a rejection step whose draft shape was chosen: what its rows kept
             self.level.observe(launch.cycle, [int(row[-1]) - 1 for row in steps])
         return Settled([[[int(t) for t in row[: int(row[-1])]]] for row in steps], counters)
 

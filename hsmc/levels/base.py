@@ -78,7 +78,7 @@ class Emission:
 
     tokens: torch.Tensor  # int64 [R, W]
     count: torch.Tensor  # int64 [R]
-    drafts: int = 0  # a rejection step's γ: drafts each row was offered (count - 1 of them were kept)
+    choice: int | None = None  # a rejection step whose draft shape was chosen: the arm (`DraftLength`)
 
 
 class Level(Protocol):

@@ -1,9 +1,13 @@
-"""`num_draft_tokens: auto`: each round's γ, chosen for the most expected tokens per second.
+"""`num_draft_tokens: auto` and `tree: auto`: each round's draft shape, chosen for the most expected tokens per second.
 
-A round of γ drafts costs `round_ms[γ]` (measured on the machine at start: `HierarchicalDecoder` decodes a
-synthetic request at each γ, γ = 0 being the target alone) and yields 1 + α + … + α^γ tokens when each draft is
-kept with probability α (the i.i.d. acceptance model of Leviathan et al., 2023). α is estimated from the rounds
-read so far, each count discounted by DECAY per row-round read, so the choice follows acceptance as it drifts.
+The shapes ("arms") are chains of γ = 0..most drafts and, with `tree: auto`, the draft trees of AUTO_TREES. A round
+of an arm costs `round_ms[arm]` (measured on the machine at start: `HierarchicalDecoder` decodes a synthetic request
+with each arm, γ = 0 being the target alone). A chain of γ yields 1 + α + … + α^γ tokens when each draft is kept
+with probability α (the i.i.d. acceptance model of Leviathan et al., 2023). α is estimated from the chain rounds
+read so far, each count discounted by DECAY per row-round read, so the choice follows acceptance as it drifts. A
+tree's yield is predicted as a chain of its depth whose every step keeps one of `topk` children, 1 - (1 - α)^topk
+(optimistic: siblings are not independent), times what its own rounds yielded over what that predicted for them
+(discounted alike), so a tree is tried and then judged by its rounds.
 While γ = 0 wins, nothing is observed: now and then a round drafts anyway (γ = 1, the cheapest), as seldom as keeps
 those probes' extra time under PROBE_SHARE of the time, so that better acceptance is noticed. The choice only ever
 depends on rounds already read, never on the round it is for, so every round is an ordinary speculative-sampling
@@ -13,10 +17,14 @@ round and the output stays an exact sample of the verifier's law.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+from hsmc.levels.tree import TreeShape
 
 DECAY = 0.97  # weight of an observation after each later row-round: ~33 row-rounds' memory
 PROBE_SHARE = 0.02  # most share of the time that rounds drafting against the choice (to observe acceptance) take
 PRIOR = (1.0, 1.0)  # pseudo-counts (kept, rejected) before any round is read: α = 0.5
+TREE_PRIOR_TOKENS = 4.0  # a tree's yield over its prediction starts at 1 as if from rounds of this many tokens
 
 
 def expected_tokens(rate: float, gamma: int) -> float:
@@ -24,27 +32,49 @@ def expected_tokens(rate: float, gamma: int) -> float:
     return sum(rate**i for i in range(gamma + 1))
 
 
+def tree_tokens(rate: float, tree: TreeShape) -> float:
+    """A tree's predicted yield per round: a chain of its depth whose steps keep one of `topk` children."""
+    return expected_tokens(1 - (1 - rate) ** tree.topk, tree.depth)
+
+
 class DraftLength:
-    def __init__(self, most: int) -> None:
-        self.most = most
-        self.round_ms: list[float] | None = None  # per γ in 0..most; None until timed (then γ = most // 2)
-        self.forced: int | None = None  # the γ every round takes while the rounds are timed
-        self.kept, self.rejected = PRIOR
-        self.waited = 0  # rounds at γ = 0 since the last drafting one
+    def __init__(self, most: int, trees: Sequence[TreeShape] = ()) -> None:
+        self.most, self.trees = most, tuple(trees)
+        self.round_ms: list[float] | None = None  # per arm (γ in 0..most, then each tree); None until timed
+        self.forced: int | None = None  # the arm every round takes while the rounds are timed
+        self.forget()
+
+    @property
+    def arms(self) -> int:
+        return self.most + 1 + len(self.trees)
+
+    def shape(self, arm: int) -> tuple[int, TreeShape | None]:
+        """An arm's longest path of drafts and its tree (None: a chain of that many)."""
+        if arm <= self.most:
+            return arm, None
+        tree = self.trees[arm - self.most - 1]
+        return tree.depth, tree
 
     @property
     def rate(self) -> float:
-        """The estimated probability that a draft is kept."""
+        """The estimated probability that a chain's draft is kept."""
         return self.kept / (self.kept + self.rejected)
 
+    def expected(self, arm: int) -> float:
+        """Tokens a round of `arm` is expected to yield per row."""
+        depth, tree = self.shape(arm)
+        if tree is None:
+            return expected_tokens(self.rate, depth)
+        got, predicted = self.tree_rounds[arm - self.most - 1]
+        return tree_tokens(self.rate, tree) * (got + TREE_PRIOR_TOKENS) / (predicted + TREE_PRIOR_TOKENS)
+
     def choose(self) -> int:
-        """The γ of the next round."""
+        """The arm of the next round."""
         if self.forced is not None:
             return self.forced
         if self.round_ms is None:
             return self.most // 2
-        speed = [expected_tokens(self.rate, g) / ms for g, ms in enumerate(self.round_ms)]
-        best = max(range(self.most + 1), key=speed.__getitem__)
+        best = max(range(self.arms), key=lambda arm: self.expected(arm) / self.round_ms[arm])  # type: ignore[index]
         if best:
             return best
         self.waited += 1
@@ -59,15 +89,22 @@ class DraftLength:
         extra = self.round_ms[1] - self.round_ms[0]  # type: ignore[index]
         return max(1, math.ceil(extra / (PROBE_SHARE * self.round_ms[0])))  # type: ignore[index]
 
-    def observe(self, gamma: int, accepted: list[int]) -> None:
-        """One round read: each row kept `accepted` of its γ drafts (a row that stopped short rejected one)."""
-        if gamma == 0:
-            return
+    def observe(self, arm: int, accepted: list[int]) -> None:
+        """One round read: each row kept `accepted` of its arm's drafts (a chain's row that stopped short rejected
+        one)."""
+        depth, tree = self.shape(arm)
         decay = DECAY ** len(accepted)
-        self.kept = self.kept * decay + sum(accepted)
-        self.rejected = self.rejected * decay + sum(a < gamma for a in accepted)
+        if tree is not None:
+            i = arm - self.most - 1
+            got, predicted = self.tree_rounds[i]
+            yielded, foreseen = sum(accepted) + len(accepted), len(accepted) * tree_tokens(self.rate, tree)
+            self.tree_rounds[i] = (got * decay + yielded, predicted * decay + foreseen)
+        elif depth:
+            self.kept = self.kept * decay + sum(accepted)
+            self.rejected = self.rejected * decay + sum(a < depth for a in accepted)
 
     def forget(self) -> None:
         """Back to the prior (after the timing's synthetic requests)."""
         self.kept, self.rejected = PRIOR
-        self.waited = 0
+        self.tree_rounds = [(0.0, 0.0) for _ in self.trees]  # per tree: tokens yielded, tokens predicted (discounted)
+        self.waited = 0  # rounds at γ = 0 since the last drafting one

@@ -25,14 +25,17 @@ Under an `smc` level, asked for exactly K tokens, it fills the block with a host
 (`BlockFill`): rows already holding K idle through a mask, and rows still short are reported in
 `Proposal.ready`, so the SMC level defers their group's step instead of reading the device.
 
-With `num_draft_tokens: auto` (a streaming top) each step's γ is chosen by `DraftLength` from the rounds read
-so far; γ = 0 is a round of the verifier alone (the drafter catches up on the tokens at its next draft).
+With `num_draft_tokens: auto` or `tree: auto` (a streaming top) each step's draft shape (a chain's γ, or a tree)
+is chosen by `DraftLength` from the rounds read so far; γ = 0 is a round of the verifier alone (the drafter
+catches up on the tokens at its next draft).
 
-With `graph_rounds` (CUDA) a round — the drafter's γ proposals, the verify, the acceptance test and both
-models' rollback — is a graphed unit (`Graphs`: one CUDA graph per shape, replayed), timed as a whole.
+With `graph_rounds` (CUDA) a round — the drafter's proposals (a chain or a tree), the verify, the acceptance test
+and both models' rollback — is a graphed unit (`Graphs`: one CUDA graph per shape, replayed), timed as a whole.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -69,16 +72,18 @@ class RejectionLevel:
         depth under the top. `graph_rounds`: capture each round as one CUDA graph (the runner must have CUDA
         graphs; not for a level drafting for another rejection level, whose rounds run inside that level's).
         `tree`: draft trees of this shape instead of chains of `num_draft_tokens` (then its depth), verified by
-        `tree_rule` (`hsmc.speculative.tree_verify`). `draft_length`: choose each step's γ up to `num_draft_tokens`."""
+        `tree_rule` (`hsmc.speculative.tree_verify`). `draft_length`: choose each step's draft shape among its arms
+        (chains of up to `num_draft_tokens`, and its trees)."""
         self.state = state
         self.drafter = drafter
-        self.tree, self.tree_rule = tree, tree_rule
-        if tree is not None:
-            num_draft_tokens = tree.depth
-        self.gamma = num_draft_tokens  # of the next round (with `draft_length`, chosen per step up to this)
+        self.tree_rule = tree_rule
         self.draft_length = draft_length
+        self._take(num_draft_tokens, tree)  # the next round's shape (with `draft_length`, chosen per step)
+        longest = self.gamma  # the longest path of drafts a round may keep
+        if draft_length is not None:
+            longest = max(draft_length.shape(arm)[0] for arm in range(draft_length.arms))
         self.drafted = self.steps = 0  # drafts per row and steps, summed over steps (a chosen γ's mean)
-        self.step_growth = num_draft_tokens + 1
+        self.step_growth = longest + 1
         self.laws = laws
         self.streams = streams
         self.accept_purpose, self.residual_purpose = purpose_of(salt, ACCEPT), purpose_of(salt, RESIDUAL)
@@ -88,13 +93,22 @@ class RejectionLevel:
         self.acknowledged = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.ahead = 0  # most tokens a row holds past what the caller acknowledged (bounds accept's rollback)
         # row-rounds by tokens emitted (entry i: i + 1), on the device: read by stats() and the block fill
-        self.yields = torch.zeros(num_draft_tokens + 1, dtype=torch.int64, device=device)
+        self.yields = torch.zeros(longest + 1, dtype=torch.int64, device=device)
         # per row since its request was admitted: rounds run and tokens they emitted (a request's accepted length)
         self.row_counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=device)
-        self.fill = BlockFill(num_draft_tokens, self.yields, self._round_bytes())
-        self.rounds = None
+        self.fill = BlockFill(longest, self.yields, self._round_bytes())
+        self.rounds = self.bare_rounds = None
         if graph_rounds:
-            self.rounds = Graphs(self._kept, state.runner.scope, self.graph_parts().host, state.timer.whole)
+            host, scope = self.graph_parts().host, state.runner.scope
+            self.rounds = Graphs(self._kept, scope, host, state.timer.whole)
+            if draft_length is not None:
+                self.bare_rounds = Graphs(self._kept, scope, _bare_round_fields(host, drafter), state.timer.whole)
+
+    def _take(self, gamma: int, tree: TreeShape | None) -> None:
+        """Draft chains of `gamma` or, with `tree`, trees of that shape (then `gamma` is its depth)."""
+        self.tree = tree
+        self.gamma = gamma if tree is None else tree.depth
+        self.tree_budget = 0 if tree is None else tree.budget  # a round graph's key: a chain or which tree
 
     def _round_bytes(self) -> int:
         """Weight bytes one round reads: every model of the drafter's stack γ times, the verifier once."""
@@ -159,19 +173,21 @@ class RejectionLevel:
 
     def step(self, rows: torch.Tensor) -> Emission:
         """One draft/verify cycle for every row; all of its 1..γ+1 tokens are handed over."""
+        choice = None
         if self.draft_length is not None:
-            self.gamma = self.draft_length.choose()
+            choice = self.draft_length.choose()
+            self._take(*self.draft_length.shape(choice))
             self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
         base = self.state.seq_len[rows]
         accepted, _ = self._cycle(rows)
         tokens = self.state.window(rows, base, accepted + 1, self.gamma + 1)
         self.acknowledged[rows] = self.state.seq_len[rows]
-        return Emission(tokens, accepted + 1, self.gamma)
+        return Emission(tokens, accepted + 1, choice)
 
-    def observe(self, gamma: int, accepted: list[int]) -> None:
-        """A step's read: each row kept `accepted` of its γ drafts (what `draft_length` chooses from)."""
+    def observe(self, arm: int, accepted: list[int]) -> None:
+        """A step's read: each row kept `accepted` of the drafts of `draft_length`'s arm `arm`."""
         if self.draft_length is not None:
-            self.draft_length.observe(gamma, accepted)
+            self.draft_length.observe(arm, accepted)
 
     def commit(self, rows: torch.Tensor, n: int) -> None:
         self.acknowledged[rows] += n
@@ -217,7 +233,7 @@ class RejectionLevel:
 
     def graph_parts(self) -> GraphParts:
         """What a round touches (the level's own and those of the levels below)."""
-        own = GraphParts(host=[HostField(self, "ahead"), HostField(self, "gamma")])
+        own = GraphParts(host=[HostField(self, "ahead"), HostField(self, "gamma"), HostField(self, "tree_budget")])
         return self.state.graph_parts() + self.laws.graph_parts() + self.drafter.graph_parts() + own
 
     def reset_stats(self) -> None:
@@ -225,8 +241,9 @@ class RejectionLevel:
         self.yields.zero_()
         self.fill.reset()
         self.drafted = self.steps = 0
-        if self.rounds is not None:
-            self.rounds.replays = 0
+        for unit in (self.rounds, self.bare_rounds):
+            if unit is not None:
+                unit.replays = 0
 
     def stats(self) -> dict[str, float]:
         """With graphed rounds `forward_seconds` / `forwards` time whole rounds (the drafter's steps included),
@@ -238,7 +255,7 @@ class RejectionLevel:
             "forwards": self.state.timer.count,
         }
         if self.rounds is not None:
-            stats["graphed_rounds"] = self.rounds.replays
+            stats["graphed_rounds"] = self.rounds.replays + (self.bare_rounds.replays if self.bare_rounds else 0)
         if self.fill.blocks:
             stats["mean_fill_rounds"] = self.fill.mean_rounds()
         if self.steps:
@@ -251,7 +268,9 @@ class RejectionLevel:
         """One round (`_round`), replayed from a CUDA graph with `graph_rounds` (then without its distributions)."""
         if self.rounds is None:
             return self._round(rows, active)
-        return self.rounds(rows, active), None
+        bare = self.gamma == 0 and self.tree is None and self.bare_rounds is not None
+        unit = self.bare_rounds if bare else self.rounds
+        return unit(rows, active), None
 
     def _kept(self, rows: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
         """A round's kept-draft counts alone: a graph keeps its outputs alive (the distributions would be
@@ -387,6 +406,14 @@ class RejectionLevel:
         keys = self.streams.keys(rows, self.residual_purpose, base + accepted)
         token, _ = self.laws.backend.gumbel_max(residual.log(), ones, no_floor, keys)
         return accepted, token
+
+
+def _bare_round_fields(host: list[HostField], drafter: Level) -> list[HostField]:
+    """The host ints of a round of γ = 0: the drafter does not run, so the tokens waiting for its next forward
+    only grow (one per round). As a key they would make every such round a new shape, none ever captured (on an
+    H100 a 1 : 3 self-draft under `auto` decoded at 0.09-0.53x its target alone); as a count they do not."""
+    waiting = [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
+    return [replace(f, role="count") if f in waiting else f for f in host]
 
 
 def _no_drafts(rows: torch.Tensor) -> Proposal:

@@ -213,13 +213,13 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, t
             levels.append(ModelLevel(state, laws, streams, salt))
         elif lc.kind == "rejection":
             drafts_for_rejection = i + 1 < len(cfg.levels) and cfg.levels[i + 1].kind == "rejection"
-            tree = None if lc.tree is None else TreeShape(lc.tree.depth, lc.tree.topk, lc.tree.budget)
+            trees = [TreeShape(t.depth, t.topk, t.budget) for t in lc.trees]
+            choice = DraftLength(lc.most_drafts, trees if lc.tree == "auto" else ()) if lc.chooses_shape else None
             levels.append(
                 RejectionLevel(
                     state, below, lc.most_drafts, laws, streams, salt,
-                    graph_rounds=graphs and not drafts_for_rejection and tree is None, tree=tree,
-                    tree_rule=lc.tree_rule,
-                    draft_length=DraftLength(lc.most_drafts) if lc.num_draft_tokens == "auto" else None,
+                    graph_rounds=graphs and not drafts_for_rejection, tree=None if choice else (trees or [None])[0],
+                    tree_rule=lc.tree_rule, draft_length=choice,
                 )
             )  # fmt: skip
         else:

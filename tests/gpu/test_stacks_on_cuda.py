@@ -19,7 +19,8 @@ from hsmc.requests import SamplingParams
 
 PROMPTS = [[3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2], [11, 12]]
 ENGINE = {"kv_capacity_tokens": 4096, "max_batch_rows": 32}
-GREEDY_KINDS = ("model", "rejection", "eagle3")  # an smc top has no greedy law
+GREEDY_KINDS = ("model", "rejection", "eagle3", "tree", "eagle3-tree")  # an smc top has no greedy law
+TREE = {"depth": 4, "topk": 2, "budget": 8}
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -34,6 +35,9 @@ def stacks(tmp_path_factory):
         "model": [{"model": big}],
         "rejection": [{"model": small}, {"kind": "rejection", "model": big, "num_draft_tokens": 4}],
         "eagle3": [{"kind": "eagle3", "model": head}, {"kind": "rejection", "model": big}],
+        "tree": [{"model": small}, {"kind": "rejection", "model": big, "tree": TREE}],
+        "eagle3-tree": [{"kind": "eagle3", "model": head, "temperature": 1.0},
+                        {"kind": "rejection", "model": big, "tree": TREE, "tree_rule": "draft_aware"}],
         "smc": [{"model": small, "temperature": 1.0},
                 {"kind": "smc", "model": big, "temperature": 1.0, "particles": 4, "block_size": 3}],
         "hierarchical": [{"kind": "eagle3", "model": head, "temperature": 1.0},
@@ -75,7 +79,25 @@ def test_greedy_on_cuda_equals_the_cpu_without_a_sync(stacks, kind):
     assert_pools_empty(cuda)
 
 
-@pytest.mark.parametrize("kind", ["model", "rejection", "eagle3", "smc", "hierarchical"])
+@pytest.mark.parametrize("kind", ["rejection", "eagle3"])
+def test_auto_draft_length_times_replays_and_decodes_the_cpus_greedy_tokens(stacks, kind):
+    """`num_draft_tokens: auto` on CUDA: every γ's round time at start is positive and a round of 8 drafts costs
+    more than one of none (on an H100 a timing once included a graph capture and came out negative, so auto took
+    γ = 8 at 0.09-0.16x the target alone), and at T = 0 the tokens are the CPU's greedy ones, without a sync."""
+    *below, top = stacks[kind]
+    auto = [*below, {**top, "num_draft_tokens": "auto"}]
+    want = [r.token_ids for r in decoder(stacks[kind], "cpu").generate(PROMPTS, max_new_tokens=24, ignore_eos=True)]
+    cuda = decoder(auto, "cuda")
+    times = cuda.stack.top.draft_length.round_ms
+    assert all(ms > 0 for ms in times) and times[-1] > times[0], times
+    cuda.generate(PROMPTS, max_new_tokens=24, ignore_eos=True)  # captures the batch's shapes (a capture may sync)
+    got = without_syncs(lambda: cuda.generate(PROMPTS, max_new_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in got] == want
+    cuda.driver.quiesce()
+    assert_pools_empty(cuda)
+
+
+@pytest.mark.parametrize("kind", ["model", "rejection", "eagle3", "tree", "eagle3-tree", "smc", "hierarchical"])
 def test_seeded_request_is_the_same_graphed_eager_alone_and_amid_others(stacks, kind):
     mine = SamplingParams(seed=42, max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95)
     others = [SamplingParams(seed=s, max_tokens=m, ignore_eos=True) for s, m in ((1, 5), (2, 31), (3, 12))]
