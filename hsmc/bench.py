@@ -226,7 +226,7 @@ def level_costs(decoder: Any, stats: list[dict[str, Any]]) -> list[LevelCost]:
         LevelCost(
             kind=lc.kind,
             forward_ms=st["forward_ms"],
-            gamma=lc.path_length,
+            gamma=st.get("mean_draft_tokens", lc.path_length),  # a chosen shape: the mean its rounds took
             accepted_length=st.get("mean_accepted_length", 1.0),
             fill_rounds=st.get("mean_fill_rounds"),
             block_size=lc.block_size,

@@ -28,7 +28,7 @@ from hsmc.levels.block_fill import geometric_yield_law, plan_rounds
 class LevelCost:
     kind: str  # model | eagle3 | rejection | smc
     forward_ms: float  # one forward of this level's model over the batch (draft step, verify, target verify)
-    gamma: int = 0  # rejection: drafts per round
+    gamma: float = 0  # rejection: drafts per round (a tree's depth; a chosen shape's mean)
     accepted_length: float = 1.0  # rejection: tokens per round per row (accepted drafts + 1)
     fill_rounds: float | None = None  # rejection under smc: rounds per block (None: as `BlockFill` plans them)
     block_size: int = 0  # smc: K

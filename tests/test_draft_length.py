@@ -254,3 +254,27 @@ def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind
     # once it recurs
     assert level.bare_rounds.replays >= bare - 2 * CAPTURE_AFTER, (level.bare_rounds.replays, bare)
     assert_pools_empty(decoder)
+
+
+def test_the_cost_model_prices_a_chosen_shape_at_the_drafts_its_rounds_took():
+    """`hsmc bench` prices a rejection level's round at its drafter's forwards: γ for a chain, the depth for a tree,
+    and for `auto` the mean its rounds took (not the longest arm)."""
+    from types import SimpleNamespace
+
+    from hsmc.bench import level_costs
+    from hsmc.config import LevelConfig, TreeConfig
+
+    configs = [
+        LevelConfig(kind="model", model="d"),
+        LevelConfig(kind="rejection", model="t", num_draft_tokens=3),
+        LevelConfig(kind="rejection", model="t", tree=TreeConfig(depth=5, topk=2, budget=8)),
+        LevelConfig(kind="rejection", model="t", num_draft_tokens="auto", tree="auto"),
+    ]
+    stats = [
+        {"forward_ms": 1.0},
+        {"forward_ms": 2.0},
+        {"forward_ms": 2.0},
+        {"forward_ms": 2.0, "mean_draft_tokens": 1.5},
+    ]
+    costs = level_costs(SimpleNamespace(stack=SimpleNamespace(configs=configs)), stats)
+    assert [c.gamma for c in costs[1:]] == [3, 5, 1.5]
