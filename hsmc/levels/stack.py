@@ -215,10 +215,11 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, t
             drafts_for_rejection = i + 1 < len(cfg.levels) and cfg.levels[i + 1].kind == "rejection"
             trees = [TreeShape(t.depth, t.topk, t.budget) for t in lc.trees]
             choice = DraftLength(lc.most_drafts, trees if lc.tree == "auto" else ()) if lc.chooses_shape else None
+            fixed_tree = trees[0] if trees and choice is None else None
             levels.append(
                 RejectionLevel(
                     state, below, lc.most_drafts, laws, streams, salt,
-                    graph_rounds=graphs and not drafts_for_rejection, tree=None if choice else (trees or [None])[0],
+                    graph_rounds=graphs and not drafts_for_rejection, tree=fixed_tree,
                     tree_rule=lc.tree_rule, draft_length=choice,
                 )
             )  # fmt: skip
