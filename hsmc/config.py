@@ -75,16 +75,20 @@ class LevelConfig:
         return AUTO_TREES if self.tree == "auto" else () if self.tree is None else (self.tree,)  # type: ignore[return-value]
 
     @property
+    def _round_shapes(self) -> list[tuple[int, int]]:
+        """rejection: (drafts a round may keep, drafts it verifies) of each shape it may draft: its chain, its trees."""
+        chain = [] if isinstance(self.tree, TreeConfig) else [(self.most_drafts, self.most_drafts)]
+        return chain + [(t.depth, t.budget) for t in self.trees]
+
+    @property
     def path_length(self) -> int:
         """rejection: most drafts one round keeps (γ, or a tree's depth)."""
-        chain = () if isinstance(self.tree, TreeConfig) else (self.most_drafts,)
-        return max((*chain, *(t.depth for t in self.trees)))
+        return max(kept for kept, _ in self._round_shapes)
 
     @property
     def verify_positions(self) -> int:
         """rejection: positions one verify forward runs (γ + 1, or a tree's budget + 1), in the KV until it ends."""
-        chain = () if isinstance(self.tree, TreeConfig) else (self.most_drafts,)
-        return max((*chain, *(t.budget for t in self.trees))) + 1
+        return max(verified for _, verified in self._round_shapes) + 1
 
 
 @dataclass

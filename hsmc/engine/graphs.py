@@ -119,7 +119,7 @@ class GraphScope:
 
     def graphs_captured(self) -> int:
         """Graphs its units hold: a change between two reads means a capture ran in between."""
-        return sum(c is not None for unit in self.units for c in unit.captured.values())
+        return sum(len(unit.captured) for unit in self.units)
 
     def release(self) -> None:
         """Destroy every captured graph and its memory; later runs capture again. A stack under tensor parallelism
