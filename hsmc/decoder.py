@@ -188,7 +188,10 @@ class HierarchicalDecoder:
         captured at its second run (every batch size at every R took over 10 minutes for the hierarchical stack's 16
         sizes x 13 R on an H100). Then capturing stops: a shape first seen later (a context past the first bucket,
         another mix of sampling laws, a batch size between at an R the warmup's law did not plan) runs eagerly and is
-        counted (`Graphs.missed`). Prefills of a few sizes run once, so that their kernels are compiled
+        counted (`Graphs.missed`). Under `num_draft_tokens: auto` / `tree: auto` a round's graph depends on the
+        shape chosen from the acceptance seen so far: every batch size runs again once with each shape, captured at
+        its first run (a probe after a long streak without drafts still runs eagerly: its drafter catches up on a
+        number of tokens no warmup can foresee). Prefills of a few sizes run once, so that their kernels are compiled
         too. Nothing to do without graphed units."""
         scope = self.stack.scope
         if self._warm or not scope.units:
@@ -208,22 +211,28 @@ class HierarchicalDecoder:
         fill = stack.top.proposal.fill if stack.is_smc else None
         if fill is not None:  # two blocks at each R: a second cycle of its shape
             batches += [(n, 16, 2 * per_step + 1, r) for n in sorted({1, most}) for r in fill.choices(top.block_size)]
+        choice = stack.top.draft_length if isinstance(stack.top, RejectionLevel) else None
+        if choice is not None:  # three rounds of each draft shape
+            batches += [
+                (n, 16, 3 * (choice.shape(arm)[0] + 1), arm) for n in range(1, most + 1) for arm in range(choice.arms)
+            ]
+        forced = fill or choice  # the adaptive choice a batch's last item fixes (a block fill's R, a draft shape)
         # prefills of other sizes compile their kernels with one token each: Triton specializes on the shapes, and
         # the attention plans (splits by occupancy) change where the row count crosses a power of two
         counts = sorted({1, most, *(2**k + 1 for k in range(most.bit_length()) if 2**k + 1 <= most)})
         batches += [(n, length, 1, None) for length in WARMUP_PROMPTS for n in counts]
         fits = [batch for batch in batches if batch[1] + batch[2] < stack.capacity // batch[0]]
-        for n, length, tokens, rounds in tqdm(fits, desc="warmup: CUDA graphs", unit="batch", file=sys.stderr,
-                                              disable=not progress):  # fmt: skip
-            if fill is not None:
-                fill.forced = rounds
-            scope.capturing = "recurring" if rounds is None else "every"
+        for n, length, tokens, fixed in tqdm(fits, desc="warmup: CUDA graphs", unit="batch", file=sys.stderr,
+                                             disable=not progress):  # fmt: skip
+            if forced is not None:
+                forced.forced = fixed
+            scope.capturing = "recurring" if fixed is None else "every"
             prompts = [[(7919 * (n + i) + 13 * j) % vocab for j in range(length)] for i in range(n)]
             self.generate(prompts, params=SamplingParams(max_tokens=tokens, ignore_eos=True), seed=n)
             torch.cuda.empty_cache()  # what a batch's eager runs cached goes back before the next captures
         scope.capturing = "none"
-        if fill is not None:
-            fill.forced = None
+        if forced is not None:
+            forced.forced = None
         stack.reset_stats()
         gc.collect()
         gc.freeze()  # what exists now (models, graphs) stays out of later collections: no long pause mid-request

@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gammas", nargs="+", default=["2", "4", "auto"], help="fixed γs, auto, tree-auto")
+    parser.add_argument("--drafters", nargs="+", default=["self-draft", "eagle3"], choices=["self-draft", "eagle3"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
@@ -79,7 +80,7 @@ def main() -> None:
     print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
           f"{'accepted':>8} {'mean γ':>6}")  # fmt: skip
     gammas = [g if g in ("auto", "tree-auto") else int(g) for g in args.gammas]
-    settings = [(None, 0)] + [(d, g) for d in ("self-draft", "eagle3") for g in gammas]
+    settings = [(None, 0)] + [(d, g) for d in args.drafters for g in gammas]
     for temperature in args.temperature:
         base = base_whole = None
         for drafter, gamma in settings:

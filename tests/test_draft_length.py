@@ -256,6 +256,41 @@ def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind
     assert_pools_empty(decoder)
 
 
+def test_warmup_captures_every_draft_shape_at_every_batch_size(pair, monkeypatch):  # noqa: F811
+    """`hsmc serve` warms up before its first request, and under auto a round's graph depends on the shape chosen
+    (γ, or which tree) as well as the batch size: the warmup captures a round of every shape at every batch size
+    (units and captures emulated as on CUDA), so a request that switches shape at any size finds a graph, and the
+    choice is free again afterwards."""
+    from test_round_graphs import _emulated_capture
+
+    from hsmc.engine.graphs import Graphs
+    from hsmc.levels.rejection import _bare_round_fields
+
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    draft, target = pair
+    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, rows=2, tree="auto", timed=False)
+    level, scope = decoder.stack.top, decoder.stack.scope
+    host, whole = level.graph_parts().host, level.state.timer.whole
+    level.rounds = Graphs(level._kept, scope, host, whole)
+    level.bare_rounds = Graphs(level._kept, scope, _bare_round_fields(host, level.drafter), whole)
+    decoder.warmup(progress=False)
+    choice = level.draft_length
+    assert scope.capturing == "none" and choice.forced is None
+    names = [f.name for f in host if f.role == "key"]
+    gamma, budget = names.index("gamma"), names.index("tree_budget")
+    captured = {(key[0][0][0][0][0], key[0][2][gamma], key[0][2][budget]) for key in level.rounds.captured}
+    captured |= {(key[0][0][0][0][0], 0, 0) for key in level.bare_rounds.captured}
+    shapes = {(0 if tree is None else tree.depth, 0 if tree is None else tree.budget)
+              for tree in [None, *choice.trees]} | {(g, 0) for g in range(1, choice.most + 1)}  # fmt: skip
+    assert captured == {(rows, g, b) for rows in (1, 2) for g, b in shapes}
+    prompts = [[5, 9, 13], [7] * 11]
+    taken = _scheduled(decoder, [11] * 3 + [4] * 3)  # a tree, then a chain, in one request
+    results = decoder.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    assert [r.token_ids for r in results] == [_hf_greedy(str(target), p, 24) for p in prompts]
+    assert {11, 4} <= set(taken) and level.rounds.replays > 0
+    assert_pools_empty(decoder)
+
+
 def test_the_cost_model_prices_a_chosen_shape_at_the_drafts_its_rounds_took():
     """`hsmc bench` prices a rejection level's round at its drafter's forwards: γ for a chain, the depth for a tree,
     and for `auto` the mean its rounds took (not the longest arm)."""

@@ -39,6 +39,9 @@ CAPTURE_AFTER = 8  # a round's or cycle's shape is captured once it makes 8 of t
 # capture (an eager run, the capture, the graph's instantiation) costs ~70-90 ms at 16 rows of the 8B, ~10 rounds;
 # capturing at a shape's 2nd, 3rd or 8th run overall made 16 streams 0.67-0.71x slower (tail shapes captured)
 WINDOW = 16
+FORWARD_CAPTURE_AFTER = 2  # a forward's shape (tokens per row) is captured, in every rows x context bucket at once, at
+# its second run of the last WINDOW: a drafter catching up after rounds without drafts runs a width seen once, and
+# capturing its 5 buckets cost 78 ms on an H200 against ~1 ms for a SmolLM2 round (docs/engine.md, "CUDA graphs")
 
 
 def geometric_buckets(first: int, factor: int, last: int) -> list[int]:
@@ -181,7 +184,7 @@ class Graphs:
         self.timer = timer
         self.row_buckets = row_buckets
         self.pads = pads
-        self.capture_after = 1 if row_buckets else CAPTURE_AFTER
+        self.capture_after = FORWARD_CAPTURE_AFTER if row_buckets else CAPTURE_AFTER
         self.deltas: dict[tuple, tuple[int, ...]] = {}  # per shape: how the unit moves the host ints
         self.recent: deque[tuple] = deque(maxlen=WINDOW)  # the shapes of the last runs
         self.captured: dict[tuple, _Captured] = {}
