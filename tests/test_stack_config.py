@@ -20,10 +20,11 @@ def test_shipped_configs_validate(path):
     assert cfg.levels[0].kind in ("model", "eagle3")
 
 
-def test_training_config_validates():
+@pytest.mark.parametrize("name", ["train_eagle_demo.yaml", "train_eagle_smollm2_gpu.yaml"])
+def test_training_configs_validate(name):
     from hsmc.training.trainer import load_train_config
 
-    cfg = load_train_config(CONFIGS[0].parent / "train_eagle_demo.yaml")
+    cfg = load_train_config(CONFIGS[0].parent / name)
     assert cfg.verifier == "smollm2-135m-instruct" and cfg.ttt_steps == 7
 
 

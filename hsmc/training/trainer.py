@@ -96,23 +96,25 @@ def generate_data(cfg: TrainEagleConfig, out: Path, device: torch.device) -> dic
     from hsmc.decoder import HierarchicalDecoder
 
     prompts = read_prompts(cfg)
+    # the KV pool: as much as the GPU holds (its rows then decode at once), or a CPU-sized pool
+    capacity = "auto" if device.type == "cuda" else 16384
     decoder = HierarchicalDecoder.from_config(
         {
             "levels": [{"model": cfg.verifier, "dtype": cfg.dtype, "temperature": cfg.temperature}],
             "generation": {"max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed, "chat_template": cfg.chat_template},
-            "engine": {"device": str(device), "max_batch_rows": cfg.generation_batch, "kv_capacity_tokens": 16384},
+            "engine": {"device": str(device), "max_batch_rows": cfg.generation_batch, "kv_capacity_tokens": capacity},
         }
     )
     from hsmc.models.tokenizer import encode_prompt
 
+    # every prompt in one call: the request driver admits the next as rows and KV free up (continuous batching)
+    with tqdm(total=len(prompts), desc="responses", unit="prompt") as bar:
+        results = decoder.generate(prompts, on_finish=lambda i: bar.update())
     sequences, starts = [], []
-    for i in tqdm(range(0, len(prompts), cfg.generation_batch), desc="responses", unit="batch"):
-        chunk = prompts[i : i + cfg.generation_batch]
-        results = decoder.generate(chunk)
-        for prompt, result in zip(chunk, results):
-            ids = encode_prompt(decoder.tokenizer, prompt, cfg.chat_template)
-            sequences.append(ids + result.token_ids)
-            starts.append(len(ids))
+    for prompt, result in zip(prompts, results):
+        ids = encode_prompt(decoder.tokenizer, prompt, cfg.chat_template)
+        sequences.append(ids + result.token_ids)
+        starts.append(len(ids))
     counts = torch.zeros(decoder.stack.levels[0].state.runner.module.config.vocab_size, dtype=torch.int64)
     for seq, start in zip(sequences, starts):
         counts += torch.bincount(torch.tensor(seq[start:]), minlength=counts.numel())
