@@ -18,12 +18,14 @@ import torch
 from test_host_reads import PROMPTS, models, smc_models, stack_levels  # noqa: F401  (module fixtures)
 
 from hsmc.decoder import HierarchicalDecoder
-from hsmc.engine.graphs import Graphs, GraphScope, HostField, _Captured
+from hsmc.engine.graphs import CAPTURE_AFTER, Graphs, GraphScope, HostField, _Captured
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.block_fill import geometric_yield_law
 from hsmc.levels.rejection import RejectionLevel
+from hsmc.requests import SamplingParams
 
 STACKS = {
+    "model": ["model:target"],
     "model-smc": ["model:draft", "smc:target"],
     "model-rejection": ["model:draft", "rejection:target"],
     "eagle3-rejection": ["eagle3:head", "rejection:draft"],
@@ -115,6 +117,31 @@ def test_smc_cycles_move_only_declared_host_ints_by_a_fixed_amount_per_shape(smc
     assert seen["rounds"] >= 8 and seen["repeats"] >= 3 and seen["moved"]
     if "rejection" in name:
         assert {"planned", "blocks", "rounds_run"} <= {f.name for f in fields}
+
+
+def test_a_model_tops_steps_move_only_declared_host_ints_and_replay_their_eager_tokens(smc_models, monkeypatch):  # noqa: F811
+    """A `model` top's step (forward, sampling, bookkeeping) is one graphed unit on CUDA, as a round of γ = 0 is:
+    it changes only the host ints its level declares, by the same amount per shape, and (captures emulated) seeded
+    T = 1 requests decode the same tokens through replayed steps as eagerly, batch sizes changing as they end."""
+    decoder = _decoder("model", smc_models)
+    level = decoder.stack.top
+    seen = _watch(level, "_sampled", level.graph_parts().host, lambda rows: len(rows))
+    _decode(decoder)
+    assert seen["rounds"] > 10 and seen["repeats"] > seen["rounds"] // 2 and seen["moved"]
+
+    decoder = _decoder("model", smc_models)
+    level, scope = decoder.stack.top, decoder.stack.scope
+    lengths = [60, 44, 25]  # rows end at different steps: 3, then 2, then 1 row (three shapes)
+    runs = [decoder.generate(PROMPTS, params=[SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths], seed=3)]
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    level.steps = Graphs(level._sampled, scope, level.graph_parts().host, level.state.timer.whole)
+    runs.append(
+        decoder.generate(PROMPTS, params=[SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths], seed=3)
+    )
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    # each shape replays from its CAPTURE_AFTER-th run on
+    assert level.steps.replays >= max(lengths) - 3 * CAPTURE_AFTER
+    assert runs[1][0].stats["levels"][0]["graphed_steps"] == level.steps.replays
 
 
 class _Counter:

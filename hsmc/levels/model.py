@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hsmc.engine.graphs import GraphParts, HostField
+from hsmc.engine.graphs import GraphParts, Graphs, HostField
 from hsmc.engine.random_streams import DRAW, RowStreams, purpose_of
 from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput, masked_accept
@@ -16,14 +16,22 @@ class ModelLevel:
     step_growth = 1
     fill = None  # drafts exactly what it is asked for: no block fill
 
-    def __init__(self, state: SequenceState, laws: RowLaws, streams: RowStreams, salt: int) -> None:
+    def __init__(
+        self, state: SequenceState, laws: RowLaws, streams: RowStreams, salt: int, graph_steps: bool = False
+    ) -> None:
         """`laws`: each row's sampling law; `streams`: the stack's per-row random streams; `salt`: this level's
-        depth under the top of the stack (its draws' purpose)."""
+        depth under the top of the stack (its draws' purpose). `graph_steps` (a top on CUDA): a step — the
+        forward, the sampling and the bookkeeping — replays as one CUDA graph. With only its forward graphed, a
+        SmolLM2 step took ~2 ms of launches where a rejection top's round of γ = 0, the same work graphed whole,
+        took 0.8 ms (H200; docs/measurements/2026-11-28-h200-auto-draft-length.txt)."""
         self.state = state
         self.laws = laws
         self.streams = streams
         self.draw = purpose_of(salt, DRAW)
         self.proposed = 0  # tokens handed up by the last propose: bounds the next accept's rollback
+        self.steps: Graphs | None = None
+        if graph_steps:
+            self.steps = Graphs(self._sampled, state.runner.scope, self.graph_parts().host, state.timer.whole)
 
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
         self.state.load_prompts(rows, prompts)
@@ -75,8 +83,12 @@ class ModelLevel:
         return tree
 
     def step(self, rows: torch.Tensor) -> Emission:
-        tokens = self.propose(rows, 1).tokens
+        tokens = self._sampled(rows) if self.steps is None else self.steps(rows)
         return Emission(tokens, torch.ones(len(rows), dtype=torch.int64, device=rows.device))
+
+    def _sampled(self, rows: torch.Tensor) -> torch.Tensor:
+        """A top's step: one token [R, 1] for each row."""
+        return self.propose(rows, 1).tokens
 
     def commit(self, rows: torch.Tensor, n: int) -> None:
         """Nothing to do: a model level never proposes more than it was asked for."""
@@ -109,6 +121,13 @@ class ModelLevel:
 
     def reset_stats(self) -> None:
         self.state.timer.reset()
+        if self.steps is not None:
+            self.steps.replays = 0
 
     def stats(self) -> dict[str, float]:
-        return {"forward_seconds": self.state.timer.seconds(), "forwards": self.state.timer.count}
+        """With graphed steps `forward_seconds` / `forwards` time whole steps, and `graphed_steps` counts the
+        replays."""
+        stats = {"forward_seconds": self.state.timer.seconds(), "forwards": self.state.timer.count}
+        if self.steps is not None:
+            stats["graphed_steps"] = self.steps.replays
+        return stats

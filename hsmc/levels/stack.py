@@ -210,7 +210,8 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, t
         runner = ModelRunner(model.model, tables(), backend, num_layers, graphs, scope, capture=capture)
         state = SequenceState(runner, rows, capacity, cfg.engine.prefill_chunk_tokens)
         if lc.kind == "model":
-            levels.append(ModelLevel(state, laws, streams, salt))
+            is_top = i == len(cfg.levels) - 1
+            levels.append(ModelLevel(state, laws, streams, salt, graph_steps=graphs and is_top))
         elif lc.kind == "rejection":
             drafts_for_rejection = i + 1 < len(cfg.levels) and cfg.levels[i + 1].kind == "rejection"
             trees = [TreeShape(t.depth, t.topk, t.budget) for t in lc.trees]
