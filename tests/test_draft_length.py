@@ -256,6 +256,34 @@ def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind
     assert_pools_empty(decoder)
 
 
+def test_probes_after_streaks_of_different_lengths_recur_as_one_graph(pair, monkeypatch):  # noqa: F811
+    """After k rounds of γ = 0 a `model` drafter has k + 1 tokens waiting, and that count is a key of the probe's
+    round graph: streaks of 4, 5 and 6 rounds would make three shapes, none recurring enough to be captured (on an
+    H200 each probe then ran eagerly, its catch-up forward alone 6-16 ms against ~1 ms a graphed round). The bound
+    is rounded up to a power of two before a round with drafts, so the probes share one shape, are captured and
+    replay (units and captures emulated), and the greedy tokens stay the target's."""
+    from test_round_graphs import _emulated_capture
+
+    from hsmc.engine.graphs import CAPTURE_AFTER, Graphs
+    from hsmc.levels.rejection import _bare_round_fields
+
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    draft, target = pair
+    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, timed=False)
+    level, scope = decoder.stack.top, decoder.stack.scope
+    host, whole = level.graph_parts().host, level.state.timer.whole
+    level.rounds = Graphs(level._kept, scope, host, whole)
+    level.bare_rounds = Graphs(level._kept, scope, _bare_round_fields(host, level.drafter), whole)
+    taken = _scheduled(decoder, [0] * 4 + [1] + [0] * 5 + [1] + [0] * 6 + [1])  # 5-7 tokens waiting: a bound of 8
+    prompt = [5, 9, 13]
+    (result,) = decoder.generate([prompt], max_new_tokens=150, ignore_eos=True)
+    assert result.token_ids == _hf_greedy(str(target), prompt, 150)
+    probes = taken.count(1)
+    # captured at its CAPTURE_AFTER-th run, replayed from the next (0 replays without the rounding)
+    assert probes >= 12 and level.rounds.replays >= probes - CAPTURE_AFTER - 1, (level.rounds.replays, probes)
+    assert_pools_empty(decoder)
+
+
 def test_warmup_captures_every_draft_shape_at_every_batch_size(pair, monkeypatch):  # noqa: F811
     """`hsmc serve` warms up before its first request, and under auto a round's graph depends on the shape chosen
     (γ, or which tree) as well as the batch size: the warmup captures a round of every shape at every batch size

@@ -269,6 +269,8 @@ class RejectionLevel:
         if self.rounds is None:
             return self._round(rows, active)
         bare = self.gamma == 0 and self.tree is None and self.bare_rounds is not None
+        if not bare and self.bare_rounds is not None:
+            _loosen_waiting(self.drafter)
         unit = self.bare_rounds if bare else self.rounds
         return unit(rows, active), None
 
@@ -408,12 +410,30 @@ class RejectionLevel:
         return accepted, token
 
 
+def _waiting(drafter: Level) -> list[HostField]:
+    """The drafter's bounds on the tokens waiting for its next forward (its own and its drafters')."""
+    return [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
+
+
 def _bare_round_fields(host: list[HostField], drafter: Level) -> list[HostField]:
     """The host ints of a round of γ = 0: the drafter does not run, so the tokens waiting for its next forward
     only grow (one per round). As a key they would make every such round a new shape, none ever captured (on an
     H100 a 1 : 3 self-draft under `auto` decoded at 0.09-0.53x its target alone); as a count they do not."""
-    waiting = [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
+    waiting = _waiting(drafter)
     return [replace(f, role="count") if f in waiting else f for f in host]
+
+
+def _loosen_waiting(drafter: Level) -> None:
+    """Before a round with drafts: a drafter that sat out rounds of γ = 0 has as many tokens waiting, a number that
+    as the round graph's key would make each such round (a probe of the choice) a new shape, run eagerly with its
+    catch-up forward (that forward alone took 6-16 ms on an H200, a graphed SmolLM2 round ~1 ms). A bound may be
+    loose: rounded up to a
+    power of two it recurs and the round is captured, its catch-up padded to the bound. Bounds of 1 and 2 (after
+    rounds with drafts) stay."""
+    for field in _waiting(drafter):
+        bound = getattr(field.owner, field.name)
+        if bound > 2:
+            setattr(field.owner, field.name, 1 << (bound - 1).bit_length())
 
 
 def _no_drafts(rows: torch.Tensor) -> Proposal:
