@@ -126,11 +126,10 @@ def capture(report: Report) -> None:
                f"{seconds:.1f} s", part="capture", seconds=seconds)  # fmt: skip
 
 
-def profile_forward(shape: str, rows_n: int, width: int, context: int, head: bool = False):
-    """One forward (graph replay) of `rows_n` rows x `width` new tokens after `context` tokens of the random bf16
-    `shape` (or of a random EAGLE3 head for it): (weights' bytes, wall ms per forward, {kernel: (us, launches)})."""
-    from torch.profiler import ProfilerActivity, profile
-
+def forward_step(shape: str, rows_n: int, width: int, context: int, head: bool, graphs: bool):
+    """(module, step): `step()` runs one forward of `rows_n` rows x `width` new tokens after `context` tokens (prefilled
+    here) of the random bf16 `shape` (or of a random EAGLE3 head for it), rolled back after each call; `graphs`: the
+    runner replays its own graphs (off: the caller captures `step` whole, as a graphed round holds its forwards)."""
     from hsmc.eagle.checkpoint import random_eagle3_head
     from hsmc.models.shapes import SHAPES
 
@@ -138,10 +137,10 @@ def profile_forward(shape: str, rows_n: int, width: int, context: int, head: boo
     tables = BlockTables(SlotAllocator(rows_n * (context + 64), "cuda"), rows_n, context + 64)
     if head:
         model = random_eagle3_head(SHAPES[shape], "bfloat16", "cuda")[0]
-        runner = ModelRunner(model, tables, TritonBackend(), 1, cuda_graphs=True)
+        runner = ModelRunner(model, tables, TritonBackend(), 1, cuda_graphs=graphs)
     else:
         model = random_model(cfg, torch.bfloat16, "cuda")
-        runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=True)
+        runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=graphs)
     rows, full = torch.arange(rows_n, device="cuda"), torch.full((rows_n,), width, device="cuda")
     tokens = torch.randint(0, 1000, (rows_n, width), device="cuda")
 
@@ -151,7 +150,7 @@ def profile_forward(shape: str, rows_n: int, width: int, context: int, head: boo
 
     step_inputs = inputs(width)
 
-    def step():  # the same tokens again and again, rolled back after each forward
+    def step():  # the same tokens again and again
         runner.forward(runner.new_tokens(rows, tokens, full, context + width), True, **step_inputs)
         tables.rollback(rows, full, width)
 
@@ -159,6 +158,16 @@ def profile_forward(shape: str, rows_n: int, width: int, context: int, head: boo
         prompt = torch.randint(0, 1000, (rows_n, context), device="cuda")
         runner.forward(runner.new_tokens(rows, prompt, torch.full((rows_n,), context, device="cuda"), context), True,
                        **inputs(context))  # fmt: skip
+    return model, step
+
+
+def profile_forward(shape: str, rows_n: int, width: int, context: int, head: bool = False):
+    """One forward (graph replay) of `rows_n` rows x `width` new tokens after `context` tokens of the random bf16
+    `shape` (or of a random EAGLE3 head for it): (weights' bytes, wall ms per forward, {kernel: (us, launches)})."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, step = forward_step(shape, rows_n, width, context, head, graphs=True)
+    with torch.inference_mode():
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -169,6 +178,15 @@ def profile_forward(shape: str, rows_n: int, width: int, context: int, head: boo
         wall_ms = triton.testing.do_bench(step, return_mode="median")
     kernels = {e.key: (e.device_time_total / 5, e.count // 5) for e in prof.key_averages() if e.device_time_total > 0}
     return weight_bytes(model), wall_ms, kernels
+
+
+def head_ms(rows_n: int, width: int, context: int) -> float:
+    """ms of the Qwen3-8B shape's EAGLE3 head over `rows_n` rows x `width` new tokens, replayed as one graph (as
+    inside a graphed round: a wall-clock forward of a one-layer head is mostly the host's launches)."""
+    _, step = forward_step("qwen3-8b", rows_n, width, context, head=True, graphs=False)
+    with torch.inference_mode():
+        step()
+        return triton.testing.do_bench_cudagraph(step)
 
 
 def say_profile(report: Report, label: str, nbytes: int, wall_ms: float, kernels: dict) -> None:
@@ -305,12 +323,12 @@ def tree_verify(report: Report) -> None:
     report.say("== cost model: [EAGLE3 head -> 8B] rounds at the SmolLM2 head's acceptance (T = 1), tree vs chain ==")
     for rows_n in (1, 4):
         widths = {1, 2, *(topk for _, topk in TREES.values())}
-        head_ms = {w: profile_forward("qwen3-8b", rows_n, w, context, head=True)[1] for w in sorted(widths)}
+        head = {w: head_ms(rows_n, w, context) for w in sorted(widths)}
         for budget, (chain_accepted, tree_accepted) in SMOLLM2_ACCEPTED.items():
             depth, topk = TREES[budget]
             # a round: the head's forward over the new pairs (~2), its further draft steps, the verify
-            chain_ms = head_ms[2] + (budget - 1) * head_ms[1] + verify_ms[rows_n][budget, False]
-            tree_ms = head_ms[2] + (depth - 1) * head_ms[topk] + verify_ms[rows_n][budget, True]
+            chain_ms = head[2] + (budget - 1) * head[1] + verify_ms[rows_n][budget, False]
+            tree_ms = head[2] + (depth - 1) * head[topk] + verify_ms[rows_n][budget, True]
             chain_tok_s, tree_tok_s = 1e3 * chain_accepted / chain_ms, 1e3 * tree_accepted / tree_ms
             report.say(f"  {rows_n} row(s), budget {budget}: chain {chain_accepted:.2f}/round in {chain_ms:.2f} ms "
                        f"= {chain_tok_s:.1f} tok/s; tree ({depth}, {topk}) {tree_accepted:.2f}/round in "
