@@ -427,9 +427,8 @@ def _loosen_waiting(drafter: Level) -> None:
     """Before a round with drafts: a drafter that sat out rounds of γ = 0 has as many tokens waiting, a number that
     as the round graph's key would make each such round (a probe of the choice) a new shape, run eagerly with its
     catch-up forward (that forward alone took 6-16 ms on an H200, a graphed SmolLM2 round ~1 ms). A bound may be
-    loose: rounded up to a
-    power of two it recurs and the round is captured, its catch-up padded to the bound. Bounds of 1 and 2 (after
-    rounds with drafts) stay."""
+    loose: rounded up to a power of two it recurs and the round is captured, its catch-up padded to the bound.
+    Bounds of 1 and 2 (after rounds with drafts) stay."""
     for field in _waiting(drafter):
         bound = getattr(field.owner, field.name)
         if bound > 2:
