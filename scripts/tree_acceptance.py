@@ -28,12 +28,14 @@ HEAD = ROOT / "assets" / "eagle3-smollm2-135m-instruct"
 SHAPES = {8: (4, 3), 16: (5, 4), 32: (6, 6)}  # budget -> (depth, topk)
 
 
-def drafting(kind: str, budget: int, temperature: float, aware_t: float | None) -> tuple[float, dict]:
+def drafting(
+    kind: str, budget: int, temperature: float, aware_t: float | None, shapes: dict[int, tuple[int, int]]
+) -> tuple[float, dict]:
     """(head temperature, rejection level keys) of one way to draft `budget` tokens per verify; `aware_t`: the
-    head's temperature for draft_aware (default: the verifier's, 1 at T = 0)."""
+    head's temperature for draft_aware (default: the verifier's, 1 at T = 0); `shapes`: budget -> (depth, topk)."""
     if kind == "chain":
         return temperature, {"num_draft_tokens": budget}
-    depth, topk = SHAPES[budget]
+    depth, topk = shapes[budget]
     head_t = temperature
     if kind == "draft_aware":
         head_t = aware_t if aware_t is not None else (temperature or 1.0)
@@ -41,7 +43,8 @@ def drafting(kind: str, budget: int, temperature: float, aware_t: float | None) 
 
 
 def run(args: argparse.Namespace, kind: str, budget: int, temperature: float, questions: list[str]):
-    head_t, rejection = drafting(kind, budget, temperature, args.draft_aware_temperature)
+    shapes = {b: tuple(args.tree_shape) for b in SHAPES} if args.tree_shape else SHAPES
+    head_t, rejection = drafting(kind, budget, temperature, args.draft_aware_temperature, shapes)
     levels = [
         {"kind": "eagle3", "model": args.head, "dtype": "bfloat16", "temperature": head_t},
         {"kind": "rejection", "model": args.verifier, "temperature": temperature, **rejection},
@@ -65,12 +68,14 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--kinds", nargs="+", default=["chain", "target_only", "draft_aware"])
     parser.add_argument("--draft-aware-temperature", type=float, help="the head's temperature for draft_aware")
+    parser.add_argument("--tree-shape", type=int, nargs=2, metavar=("DEPTH", "TOPK"), help="every budget's tree")
     args = parser.parse_args()
     lines = GSM8K_TEST.read_text().splitlines()[: args.questions]
     questions = [json.loads(line)["question"] for line in lines]
     print(
         f"device: CPU ({platform.machine()}, {torch.get_num_threads()} threads); {len(questions)} GSM8K test "
-        f"questions, {args.new_tokens} new tokens; tree shapes (depth, topk) by budget: {SHAPES}"
+        f"questions, {args.new_tokens} new tokens; tree shapes (depth, topk) by budget: "
+        f"{tuple(args.tree_shape) if args.tree_shape else SHAPES}"
     )
     print(f"{'T':>4} {'budget':>6} {'drafting':<12} {'accepted/verify':>15} {'tok/s':>6}")
     for temperature in args.temperatures:
