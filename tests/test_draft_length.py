@@ -55,6 +55,24 @@ def _scheduled(decoder: HierarchicalDecoder, picks: list[int]) -> list[int]:
     return taken
 
 
+def _graphed_auto_stack(models, monkeypatch, **options) -> HierarchicalDecoder:
+    """A greedy [model drafter, rejection auto] stack of the (draft, target) `models` whose rounds are graphed
+    units as on CUDA, their captures emulated on the CPU (an emulated graph replays by running the round again)."""
+    from test_round_graphs import _emulated_capture
+
+    from hsmc.engine.graphs import Graphs
+    from hsmc.levels.rejection import _bare_round_fields
+
+    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
+    draft, target = models
+    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, timed=False, **options)
+    level, scope = decoder.stack.top, decoder.stack.scope
+    host, whole = level.graph_parts().host, level.state.timer.whole
+    level.rounds = Graphs(level._kept, scope, host, whole)
+    level.bare_rounds = Graphs(level._kept, scope, _bare_round_fields(host, level.drafter), whole)
+    return decoder
+
+
 def test_expected_tokens_is_the_geometric_sum():
     for rate, gamma in [(0.0, 3), (0.5, 0), (0.7, 4), (0.99, 8)]:
         assert expected_tokens(rate, gamma) == pytest.approx((1 - rate ** (gamma + 1)) / (1 - rate))
@@ -232,18 +250,11 @@ def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind
     round. Those rounds must still be one shape that is captured and replayed (units and captures emulated here; on
     an H100 each was a new shape run eagerly, and a 1 : 3 self-draft under auto decoded at 0.09-0.53x its target
     alone). The probes of γ = 1 between them catch the drafter up, and the greedy tokens stay the target's."""
-    from test_round_graphs import _emulated_capture
+    from hsmc.engine.graphs import CAPTURE_AFTER
 
-    from hsmc.engine.graphs import CAPTURE_AFTER, Graphs
-    from hsmc.levels.rejection import _bare_round_fields
-
-    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
-    draft, target = pair
-    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, timed=False)
-    level, scope = decoder.stack.top, decoder.stack.scope
-    host, whole = level.graph_parts().host, level.state.timer.whole
-    level.rounds = Graphs(level._kept, scope, host, whole)
-    level.bare_rounds = Graphs(level._kept, scope, _bare_round_fields(host, level.drafter), whole)
+    target = pair[1]
+    decoder = _graphed_auto_stack(pair, monkeypatch)
+    level = decoder.stack.top
     taken = _scheduled(decoder, [0] * 19 + [1])
     prompt = [5, 9, 13]
     (result,) = decoder.generate([prompt], max_new_tokens=60, ignore_eos=True)
@@ -262,18 +273,11 @@ def test_probes_after_streaks_of_different_lengths_recur_as_one_graph(pair, monk
     H200 each probe then ran eagerly, its catch-up forward alone 6-16 ms against ~1 ms a graphed round). The bound
     is rounded up to a power of two before a round with drafts, so the probes share one shape, are captured and
     replay (units and captures emulated), and the greedy tokens stay the target's."""
-    from test_round_graphs import _emulated_capture
+    from hsmc.engine.graphs import CAPTURE_AFTER
 
-    from hsmc.engine.graphs import CAPTURE_AFTER, Graphs
-    from hsmc.levels.rejection import _bare_round_fields
-
-    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
-    draft, target = pair
-    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, timed=False)
-    level, scope = decoder.stack.top, decoder.stack.scope
-    host, whole = level.graph_parts().host, level.state.timer.whole
-    level.rounds = Graphs(level._kept, scope, host, whole)
-    level.bare_rounds = Graphs(level._kept, scope, _bare_round_fields(host, level.drafter), whole)
+    target = pair[1]
+    decoder = _graphed_auto_stack(pair, monkeypatch)
+    level = decoder.stack.top
     taken = _scheduled(decoder, [0] * 4 + [1] + [0] * 5 + [1] + [0] * 6 + [1])  # 5-7 tokens waiting: a bound of 8
     prompt = [5, 9, 13]
     (result,) = decoder.generate([prompt], max_new_tokens=150, ignore_eos=True)
@@ -289,18 +293,10 @@ def test_warmup_captures_every_draft_shape_at_every_batch_size(pair, monkeypatch
     (γ, or which tree) as well as the batch size: the warmup captures a round of every shape at every batch size
     (units and captures emulated as on CUDA), so a request that switches shape at any size finds a graph, and the
     choice is free again afterwards."""
-    from test_round_graphs import _emulated_capture
-
-    from hsmc.engine.graphs import Graphs
-    from hsmc.levels.rejection import _bare_round_fields
-
-    monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
-    draft, target = pair
-    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, rows=2, tree="auto", timed=False)
+    target = pair[1]
+    decoder = _graphed_auto_stack(pair, monkeypatch, rows=2, tree="auto")
     level, scope = decoder.stack.top, decoder.stack.scope
-    host, whole = level.graph_parts().host, level.state.timer.whole
-    level.rounds = Graphs(level._kept, scope, host, whole)
-    level.bare_rounds = Graphs(level._kept, scope, _bare_round_fields(host, level.drafter), whole)
+    host = level.graph_parts().host
     decoder.warmup(progress=False)
     choice = level.draft_length
     assert scope.capturing == "none" and choice.forced is None
