@@ -334,12 +334,6 @@ def _draft_count_problems(cfg: HsmcConfig, i: int, key: str) -> Iterator[tuple[s
             "='auto' is for the rejection level at the top of the stack: under another level its rounds are planned "
             f"for one draft shape (under {cfg.levels[i + 1].kind!r} here); give a number or a tree",
         )
-    elif level.chooses_shape and cfg.engine.tensor_parallel > 1:
-        yield (
-            chosen,
-            f"='auto' times rounds on each process, and ranks must draft alike: not with engine.tensor_parallel="
-            f"{cfg.engine.tensor_parallel}; give a number or a tree",
-        )
 
 
 def _tree_problems(tree: TreeConfig, rule: str, below: LevelConfig | None, key: str) -> Iterator[tuple[str, str]]:

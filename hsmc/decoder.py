@@ -95,7 +95,8 @@ class HierarchicalDecoder:
             atexit.register(_close_at_exit, weakref.ref(self))
         if config.engine.warmup and (ranks is None or ranks.leader):
             self.warmup()
-        if isinstance(self.stack.top, RejectionLevel) and self.stack.top.draft_length is not None:
+        leads = ranks is None or ranks.leader  # a following rank takes rank 0's round times (`Stack.mode`)
+        if leads and isinstance(self.stack.top, RejectionLevel) and self.stack.top.draft_length is not None:
             self._time_rounds(self.stack.top)
 
     def _time_rounds(self, level: RejectionLevel) -> None:
@@ -208,15 +209,13 @@ class HierarchicalDecoder:
         batches: list[tuple[int, int, int, int | None]] = [
             (n, 16, WARMUP_STEPS * per_step, None) for n in range(1, most + 1)
         ]
-        fill = stack.top.proposal.fill if stack.is_smc else None
-        if fill is not None:  # two blocks at each R: a second cycle of its shape
-            batches += [(n, 16, 2 * per_step + 1, r) for n in sorted({1, most}) for r in fill.choices(top.block_size)]
-        choice = stack.top.draft_length if isinstance(stack.top, RejectionLevel) else None
-        if choice is not None:  # three rounds of each draft shape
+        forced = stack.choice  # what a batch's last item fixes: a block fill's R, a draft shape
+        if stack.is_smc and forced is not None:  # two blocks at each R: a second cycle of its shape
+            batches += [(n, 16, 2 * per_step + 1, r) for n in sorted({1, most}) for r in forced.choices(top.block_size)]
+        elif forced is not None:  # three rounds of each draft shape
             batches += [
-                (n, 16, 3 * (choice.shape(arm)[0] + 1), arm) for n in range(1, most + 1) for arm in range(choice.arms)
+                (n, 16, 3 * (forced.shape(arm)[0] + 1), arm) for n in range(1, most + 1) for arm in range(forced.arms)
             ]
-        forced = fill or choice  # the adaptive choice a batch's last item fixes (a block fill's R, a draft shape)
         # prefills of other sizes compile their kernels with one token each: Triton specializes on the shapes, and
         # the attention plans (splits by occupancy) change where the row count crosses a power of two
         counts = sorted({1, most, *(2**k + 1 for k in range(most.bit_length()) if 2**k + 1 <= most)})

@@ -172,13 +172,14 @@ def family(tmp_path_factory):
     }
 
 
-def _decode(family, spec: str, temperature: float, tensor_parallel: int, **smc) -> list:
-    """generate() of PROMPTS through a HierarchicalDecoder of the stack `spec` ("kind:model ...")."""
+def _decode(family, spec: str, temperature: float, tensor_parallel: int, rejection: dict | None = None, **smc) -> list:
+    """generate() of PROMPTS through a HierarchicalDecoder of the stack `spec` ("kind:model ..."); `rejection`: the
+    rejection levels' draft keys (3 drafts a round by default)."""
     levels = []
     for part in spec.split():
         kind, _, name = part.partition(":")
         levels.append({"kind": kind, "model": family[name or "head"], "temperature": temperature})
-        levels[-1].update({"rejection": {"num_draft_tokens": 3}, "smc": smc}.get(kind, {}))
+        levels[-1].update({"rejection": rejection or {"num_draft_tokens": 3}, "smc": smc}.get(kind, {}))
     engine = {"tensor_parallel": tensor_parallel, "kv_capacity_tokens": 1024, "max_batch_rows": 16}
     decoder = HierarchicalDecoder(load_config({"levels": levels, "engine": engine}))
     try:
@@ -201,6 +202,20 @@ def test_greedy_stacks_decode_as_at_tp1(family, spec):
     """Two ranks (this process and a spawned one) decode every prompt token for token as one process does."""
     whole = _decode(family, spec, 0.0, 1)
     assert [r.token_ids for r in _decode(family, spec, 0.0, 2)] == [r.token_ids for r in whole]
+
+
+@pytest.mark.spawns
+@pytest.mark.timeout(400, method="thread")  # ranks choosing apart would wait on each other for ever
+def test_auto_draft_shapes_are_timed_on_rank_0_and_chosen_alike_on_every_rank(family):
+    """`num_draft_tokens: auto` with `tree: auto` on two ranks: rank 0 times the draft shapes and hands its round
+    times to the other rank with each turn's mode; both then read the same rounds and choose the same shapes, so
+    they run the same forwards and collectives (without the times the other rank chose apart and both waited on
+    each other's collectives). Greedy, so token for token what one process decodes, whatever shapes were chosen."""
+    shapes = {"num_draft_tokens": "auto", "tree": "auto"}
+    whole = _decode(family, "model:llama rejection:qwen2", 0.0, 1, rejection=shapes)
+    sharded = _decode(family, "model:llama rejection:qwen2", 0.0, 2, rejection=shapes)
+    assert [r.token_ids for r in sharded] == [r.token_ids for r in whole]
+    assert "mean_draft_tokens" in sharded[0].stats["levels"][-1]
 
 
 SMC = {"particles": 4, "block_size": 3, "ess_threshold": 0.9}

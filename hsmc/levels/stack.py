@@ -87,22 +87,38 @@ class Stack:
             level.reset_stats()
 
     @property
-    def mode(self) -> tuple[str, int | None, int, bool]:
-        """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
-        capturing and a forced block-fill plan (both set by the warmup), the statistics resets (a block fill's
-        plans follow its acceptance counts) and whether SMC cycles replay their graphs (`hsmc bench` times them
-        op by op too). Tensor-parallel ranks share it, so they run the same forwards and collectives."""
-        fill = self.top.proposal.fill if self.is_smc else None
-        replay = self.top.replay_cycles if self.is_smc else True
-        return self.scope.capturing, fill.forced if fill is not None else None, self.resets, replay
+    def choice(self) -> Any:
+        """The top's adaptive choice a warmup or the start-up timing may force: an smc top's block fill (its rounds
+        R) or a rejection top's draft shape (`num_draft_tokens: auto`); None without one."""
+        if self.is_smc:
+            return self.top.proposal.fill
+        return self.top.draft_length if isinstance(self.top, RejectionLevel) else None
 
-    def set_mode(self, mode: tuple[str, int | None, int, bool]) -> None:
-        capturing, forced, resets, replay = mode
+    @property
+    def mode(self) -> tuple[str, int | None, int, bool, tuple[float, ...] | None]:
+        """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
+        capturing and a forced choice (`choice`: both set by the warmup or the draft shapes' timing), the
+        statistics resets (a block fill's plans follow its acceptance counts), whether SMC cycles replay their
+        graphs (`hsmc bench` times them op by op too) and the draft shapes' round times (rank 0 times them; the
+        choice follows them and the reads, which every rank makes alike). Tensor-parallel ranks share it, so they
+        run the same forwards and collectives."""
+        choice = self.choice
+        replay = self.top.replay_cycles if self.is_smc else True
+        times = choice.round_ms if isinstance(choice, DraftLength) else None
+        forced = choice.forced if choice is not None else None
+        return self.scope.capturing, forced, self.resets, replay, None if times is None else tuple(times)
+
+    def set_mode(self, mode: tuple[str, int | None, int, bool, tuple[float, ...] | None]) -> None:
+        capturing, forced, resets, replay, times = mode
         self.scope.capturing = capturing  # type: ignore[assignment]
         if self.is_smc:
             self.top.replay_cycles = replay
-            if self.top.proposal.fill is not None:
-                self.top.proposal.fill.forced = forced
+        choice = self.choice
+        if choice is not None:
+            choice.forced = forced
+        if times is not None and choice.round_ms != list(times):  # rank 0's timing ended: it forgot what it read
+            choice.round_ms = list(times)
+            choice.forget()
         if resets != self.resets:
             self.reset_stats()
             self.resets = resets
