@@ -69,7 +69,7 @@ def _graphed_auto_stack(models, monkeypatch, **options) -> HierarchicalDecoder:
     level, scope = decoder.stack.top, decoder.stack.scope
     host, whole = level.graph_parts().host, level.state.timer.whole
     level.rounds = Graphs(level._kept, scope, host, whole)
-    level.bare_rounds = Graphs(level._kept, scope, _bare_round_fields(host, level.drafter), whole)
+    level.bare_rounds = Graphs(level._kept, scope, _bare_round_fields(host, level.waiting), whole)
     return decoder
 
 

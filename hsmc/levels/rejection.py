@@ -98,11 +98,12 @@ class RejectionLevel:
         self.row_counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=device)
         self.fill = BlockFill(longest, self.yields, self._round_bytes())
         self.rounds = self.bare_rounds = None
+        self.waiting = _waiting(drafter) if draft_length is not None else []  # loosened before a probe (`_cycle`)
         if graph_rounds:
             host, scope = self.graph_parts().host, state.runner.scope
             self.rounds = Graphs(self._kept, scope, host, state.timer.whole)
             if draft_length is not None:
-                self.bare_rounds = Graphs(self._kept, scope, _bare_round_fields(host, drafter), state.timer.whole)
+                self.bare_rounds = Graphs(self._kept, scope, _bare_round_fields(host, self.waiting), state.timer.whole)
 
     def _take(self, gamma: int, tree: TreeShape | None) -> None:
         """Draft chains of `gamma` or, with `tree`, trees of that shape (then `gamma` is its depth)."""
@@ -270,7 +271,7 @@ class RejectionLevel:
             return self._round(rows, active)
         bare = self.gamma == 0 and self.tree is None and self.bare_rounds is not None
         if not bare and self.bare_rounds is not None:
-            _loosen_waiting(self.drafter)
+            _loosen(self.waiting)
         unit = self.bare_rounds if bare else self.rounds
         return unit(rows, active), None
 
@@ -415,21 +416,20 @@ def _waiting(drafter: Level) -> list[HostField]:
     return [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
 
 
-def _bare_round_fields(host: list[HostField], drafter: Level) -> list[HostField]:
+def _bare_round_fields(host: list[HostField], waiting: list[HostField]) -> list[HostField]:
     """The host ints of a round of γ = 0: the drafter does not run, so the tokens waiting for its next forward
-    only grow (one per round). As a key they would make every such round a new shape, none ever captured (on an
-    H100 a 1 : 3 self-draft under `auto` decoded at 0.09-0.53x its target alone); as a count they do not."""
-    waiting = _waiting(drafter)
+    (`waiting`) only grow (one per round). As a key they would make every such round a new shape, none ever captured
+    (on an H100 a 1 : 3 self-draft under `auto` decoded at 0.09-0.53x its target alone); as a count they do not."""
     return [replace(f, role="count") if f in waiting else f for f in host]
 
 
-def _loosen_waiting(drafter: Level) -> None:
+def _loosen(waiting: list[HostField]) -> None:
     """Before a round with drafts: a drafter that sat out rounds of γ = 0 has as many tokens waiting, a number that
     as the round graph's key would make each such round (a probe of the choice) a new shape, run eagerly with its
     catch-up forward (that forward alone took 6-16 ms on an H200, a graphed SmolLM2 round ~1 ms). A bound may be
     loose: rounded up to a power of two it recurs and the round is captured, its catch-up padded to the bound.
     Bounds of 1 and 2 (after rounds with drafts) stay."""
-    for field in _waiting(drafter):
+    for field in waiting:
         bound = getattr(field.owner, field.name)
         if bound > 2:
             setattr(field.owner, field.name, 1 << (bound - 1).bit_length())
