@@ -5,9 +5,9 @@ all-reduce  one all-reduce of R rows of the 32B's activation (5120 bf16) inside 
             symmetric-memory one-shot kernel and hsmc's push kernel (`hsmc.ops.push_all_reduce`, what the models
             run up to `SymmetricAllReduce.MAX_BYTES`), and whether they give NCCL's bits.
 control     the host's share: rank 0's message that opens every driver turn, and the step of a 0.6B decode.
-decode      batch-1 decode of Qwen3-8B and Qwen3-32B (bf16) at TP=1 and TP=N (`hsmc bench --shape`), against the
+decode      batch-1 decode of Qwen3-8B and Qwen3-32B (bf16) at TP=1, 2, ... N (`hsmc bench --shape`), against the
             per-GPU weight-read roofline, with the all-reduces' share of a step (their count x the one-shot time).
-smc         SMC-SD 8B -> 32B (N=8, K=8) and the hierarchical stack (EAGLE3 head -> 8B -> 32B) at TP=1 and TP=N.
+smc         SMC-SD 8B -> 32B (N=8, K=8) and the hierarchical stack (EAGLE3 head -> 8B -> 32B) at TP=1, 2, ... N.
             Both do not fit one 80 GB GPU with the 32B whole, so both runs keep the 32B's first `--target-layers`
             layers.
 headline    the hierarchical stack with the whole 32B at TP=N, and each GPU's peak memory (nvidia-smi).
@@ -43,6 +43,7 @@ ROWS = (1, 8, 64, 72, 128, 512, 2048)  # decode, SMC particles, an SMC verify (8
 HIDDEN = 5120  # Qwen3-32B
 TARGET_LAYERS = 40  # of the 32B's 64, so that the 8B and the 32B fit one 80 GB GPU for the TP=1 baseline
 WORLD = torch.cuda.device_count()
+SIZES = tuple(n for n in (1, 2, 4, 8) if n <= WORLD)  # every TP size this host can run, TP=1 the baseline
 ONE_ROW_US: list[float] = []  # the all-reduce of one row, as the model runs it (measured by all_reduce)
 SMI = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
 
@@ -167,10 +168,10 @@ def _hsmc_bench(args: list[str]) -> list[dict]:
 
 def decode(report: Report) -> None:
     all_reduce_us = ONE_ROW_US[0] if ONE_ROW_US else None
-    report.say(f"== batch-1 decode, bf16, TP=1 and TP={WORLD} (roofline: one GPU's weight shard read once) ==")
+    report.say(f"== batch-1 decode, bf16, TP={SIZES} (roofline: one GPU's weight shard read once) ==")
     for shape, layers in (("qwen3-8b", 36), ("qwen3-32b", 64)):
         base = None
-        for tp in (1, WORLD):
+        for tp in SIZES:
             row = _hsmc_bench(["--shape", shape, "--batch", "1", "--new-tokens", "256", "--no-baseline",
                                "--tensor-parallel", str(tp)])[0]  # fmt: skip
             tok_s = row["hsmc_tok_s"]
@@ -185,10 +186,10 @@ def decode(report: Report) -> None:
 
 
 def smc(report: Report) -> None:
-    report.say(f"== SMC cycles, bf16, 32B cut to {TARGET_LAYERS} layers, 1 request: TP=1 and TP={WORLD} ==")
+    report.say(f"== SMC cycles, bf16, 32B cut to {TARGET_LAYERS} layers, 1 request: TP={SIZES} ==")
     for config, target in (("smc_8b_32b", 1), ("hierarchical_8b_32b", 2)):
         base = None
-        for tp in (1, WORLD):
+        for tp in SIZES:
             cut = f"levels.{target}.num_layers={TARGET_LAYERS}"
             row = _hsmc_bench(["--config", f"configs/bench/{config}.yaml", "--batch", "1", "--new-tokens", "128",
                                cut, f"engine.tensor_parallel={tp}"])[0]  # fmt: skip
