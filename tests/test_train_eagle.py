@@ -85,6 +85,8 @@ def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(setup, 
     with pytest.raises(KeyboardInterrupt):
         train_eagle(cfg)
     assert [step for step, _ in trainer.checkpoints(root / "resumed")] == [10, 12]  # 12: saved on interrupt
+    saved = torch.load(root / "resumed" / "checkpoint-12" / "pytorch_model.bin", weights_only=True)
+    assert saved and all(k.startswith("head.") for k in saved)  # the head's state, not the verifier's embedding
     monkeypatch.setattr(trainer, "ttt_loss", real)
     resumed = load_eagle3_head(str(train_eagle(cfg)))[0]  # the same command again
     assert [r["step"] for r in _log(root / "resumed")] == list(range(1, 21))
@@ -129,7 +131,7 @@ def test_training_unroll_equals_inference_drafting(tmp_path):
     features = torch.randn(2, length, 3 * h, generator=g)
     tokens = torch.randint(0, vocab, (2, length), generator=g)
     with torch.no_grad():
-        unrolled = ttt_unroll(head, embed, features, tokens, steps)
+        unrolled = ttt_unroll(head, features, embed(tokens), steps)
         for t in (0, 4, 7):
             runner = ModelRunner(head, BlockTables(SlotAllocator(64), 2, 64), TorchBackend(), num_layers=1)
             rows = torch.arange(2)

@@ -139,7 +139,7 @@ def _verifier_batch(
     positions = torch.arange(longest, device=device)
     start = torch.tensor(starts, device=device)
     mask = (positions[None] + 1 >= start[:, None]) & (positions[None] + 1 < lengths[:, None])
-    return TTTBatch(features, tokens, logits, mask)
+    return TTTBatch(features, tokens, model.model.embed_tokens(tokens), logits, mask)
 
 
 def init_head(config: dict, d2t: torch.Tensor, t2d: torch.Tensor, device: torch.device, seed: int) -> Eagle3Head:
@@ -155,14 +155,15 @@ def init_head(config: dict, d2t: torch.Tensor, t2d: torch.Tensor, device: torch.
 
 class TTTObjective(torch.nn.Module):
     """The head behind a forward that returns the TTT loss, so accelerate's DDP wrapper sees the
-    forward (gradients are then all-reduced across processes)."""
+    forward (gradients are then all-reduced across processes). It holds the head alone: the verifier's
+    frozen embeddings come with the batch, so a checkpoint is the head's state, not the vocabulary's."""
 
-    def __init__(self, head: Eagle3Head, embed: torch.nn.Embedding, steps: int) -> None:
+    def __init__(self, head: Eagle3Head, steps: int) -> None:
         super().__init__()
-        self.head, self.embed, self.steps = head, embed, steps
+        self.head, self.steps = head, steps
 
     def forward(self, batch: TTTBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        out = ttt_loss(self.head, self.embed, batch, self.steps)
+        out = ttt_loss(self.head, batch, self.steps)
         return out.loss, torch.tensor(out.accuracy)
 
 
@@ -209,9 +210,7 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
     head = init_head(head_cfg, d2t, t2d, accelerator.device, cfg.seed)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
-    objective, optimizer, scheduler = accelerator.prepare(
-        TTTObjective(head, verifier.model.model.embed_tokens, cfg.ttt_steps), optimizer, scheduler
-    )
+    objective, optimizer, scheduler = accelerator.prepare(TTTObjective(head, cfg.ttt_steps), optimizer, scheduler)
     step = 0
     if resume := latest_checkpoint(out):
         step, path = resume

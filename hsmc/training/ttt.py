@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from hsmc.eagle.head import Eagle3Head
 from hsmc.ops.backend import TorchBackend
@@ -27,6 +26,7 @@ from hsmc.ops.kv_cache import KVCache
 class TTTBatch:
     features: torch.Tensor  # [B, T, 3H]: verifier residual streams low‖mid‖high at positions 0..T-1
     tokens: torch.Tensor  # int64 [B, T]: the sequence x_0..x_{T-1}
+    embeds: torch.Tensor  # [B, T, H]: the verifier's (frozen) embeddings of x_0..x_{T-1}
     target_logits: torch.Tensor  # [B, T, V]: verifier logits at positions 0..T-1 (predicting x_{t+1})
     loss_mask: torch.Tensor  # bool [B, T]: position t's prediction (of x_{t+1}) is a response token
 
@@ -61,10 +61,9 @@ def ttt_attention_batch(b: int, n: int, step: int, steps: int, device: torch.dev
     )
 
 
-def ttt_unroll(
-    head: Eagle3Head, embed: nn.Embedding, features: torch.Tensor, tokens: torch.Tensor, steps: int
-) -> list[torch.Tensor]:
-    """Draft logits [B, T-1, Vd] of every unroll step: step k at index t reads x_{t+1+k} and predicts x_{t+2+k}."""
+def ttt_unroll(head: Eagle3Head, features: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Draft logits [B, T-1, Vd] of every unroll step: step k at index t reads x_{t+1+k} (its embedding in
+    `embeds`) and predicts x_{t+2+k}."""
     b, t, _ = features.shape
     n = t - 1  # indices 0..T-2 have a next token x_{t+1}
     device = features.device
@@ -75,13 +74,13 @@ def ttt_unroll(
     logits_per_step = []
     for k in range(steps):
         idx = (torch.arange(n, device=device) + 1 + k).clamp_max(t - 1)
-        embeds = embed(tokens[:, idx]).to(hidden.dtype)
-        hidden, logits = head(ttt_attention_batch(b, n, k, steps, device), cache, backend, embeds=embeds, hidden=hidden)
+        batch = ttt_attention_batch(b, n, k, steps, device)
+        hidden, logits = head(batch, cache, backend, embeds=embeds[:, idx].to(hidden.dtype), hidden=hidden)
         logits_per_step.append(logits)
     return logits_per_step
 
 
-def ttt_loss(head: Eagle3Head, embed: nn.Embedding, batch: TTTBatch, steps: int = 7, decay: float = 0.8) -> TTTOutput:
+def ttt_loss(head: Eagle3Head, batch: TTTBatch, steps: int = 7, decay: float = 0.8) -> TTTOutput:
     t = batch.features.shape[1]
     n = t - 1
     device = batch.features.device
@@ -89,7 +88,7 @@ def ttt_loss(head: Eagle3Head, embed: nn.Embedding, batch: TTTBatch, steps: int 
     in_draft = head.t2d[batch.target_logits.argmax(-1)]
     total = torch.zeros((), device=device)
     accuracy = []
-    for k, logits in enumerate(ttt_unroll(head, embed, batch.features, batch.tokens, steps)):
+    for k, logits in enumerate(ttt_unroll(head, batch.features, batch.embeds, steps)):
         valid = torch.arange(n, device=device) + 1 + k < t  # x_{t+1+k} exists
         logp = torch.log_softmax(logits.float(), -1)
         target_pos = (torch.arange(n, device=device) + 1 + k).clamp_max(t - 1)
