@@ -20,6 +20,7 @@ from hsmc.models.decoder import DecoderLM  # noqa: E402
 from hsmc.models.parallel import TensorParallel  # noqa: E402
 from hsmc.models.shapes import hf_config  # noqa: E402
 from hsmc.ops import split_k  # noqa: E402
+from hsmc.ops.decode_linear import DecodeLinearPlan  # noqa: E402
 from hsmc.ops.few_row_linear import FewRowPlan  # noqa: E402
 from hsmc.ops.fp8_linear import Fp8Linear  # noqa: E402
 from hsmc.ops.kernel_tuning import (  # noqa: E402
@@ -43,6 +44,7 @@ SCHEMA_KEYS = {
     "device",
     "versions",
     "measured",
+    "one_row_plans",
     "few_row_plans",
     "cublaslt_gemms",
     "padded_rows",
@@ -77,6 +79,7 @@ TUNED = KernelTuning(
     (9, 0),
     MEASURED_WITH,
     "test",
+    one_row_plans={(10240, 5120): DecodeLinearPlan(4, 512, 8, 1, False)},
     few_row_plans={
         (6144, 4096, 16): FewRowPlan(32, 128, 1, 2, 6),
         (6144, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
@@ -95,7 +98,9 @@ def test_tuning_routes_dense_linears(monkeypatch):
     monkeypatch.setattr(split_k, "multiprocessors", lambda device: 132)
     router = LinearRouter(TUNED, CUDA)
     qkv_8b, o_32b, down_8b, gate_up = dense(6144, 4096), dense(5120, 8192), dense(4096, 12288), dense(51200, 5120)
-    assert route(router, 1, qkv_8b) == Route(Kernel.ONE_ROW, 1)
+    assert route(router, 1, qkv_8b) == Route(Kernel.ONE_ROW, 1)  # no measured plan: the kernel's default
+    one_row = DecodeLinearPlan(4, 512, 8, 1, False)
+    assert route(router, 1, dense(10240, 5120)) == Route(Kernel.ONE_ROW, 1, one_row_plan=one_row)
     assert route(router, 8, qkv_8b) == Route(Kernel.FEW_ROWS, 8, few_row_plan=FewRowPlan(32, 128, 1, 2, 6))
     assert route(router, 24, qkv_8b) == Route(Kernel.FEW_ROWS, 24, few_row_plan=FewRowPlan(64, 128, 1, 4, 6))
     assert route(router, 8, o_32b) == Route(Kernel.FEW_ROWS, 8, few_row_plan=FewRowPlan(32, 256, 1))  # default
@@ -135,6 +140,8 @@ def test_packaged_file_routes_as_its_entries_say(name, monkeypatch):
     monkeypatch.setattr(split_k, "multiprocessors", lambda device: 132)
     tuning = packaged(name)
     router = LinearRouter(tuning, CUDA)
+    for (n, k), plan in tuning.one_row_plans.items():
+        assert route(router, 1, dense(n, k)) == Route(Kernel.ONE_ROW, 1, one_row_plan=plan)
     for (n, k, tile), plan in tuning.few_row_plans.items():
         assert route(router, tile, dense(n, k)) == Route(Kernel.FEW_ROWS, tile, few_row_plan=plan)
     for n, k, rows in tuning.cublaslt_gemms:

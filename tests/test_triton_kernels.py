@@ -33,6 +33,7 @@ from hsmc.ops.kv_cache import KVCache  # noqa: E402
 from hsmc.ops.linear_router import LinearRouter  # noqa: E402
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention  # noqa: E402
 from hsmc.ops.triton_backend import TritonBackend  # noqa: E402
+from hsmc.ops.tune_kernels import ONE_ROW_CANDIDATES  # noqa: E402
 from hsmc.training.ttt import ttt_attention_batch  # noqa: E402
 
 INTERPRETED = not torch.cuda.is_available()
@@ -171,6 +172,23 @@ def test_decode_linear_matches_reference(dtype, prologue, epilogue, n, k, block_
     assert out.shape == ref.shape and out.dtype == dtype
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel < _linear_tolerance(dtype)
+
+
+@pytest.mark.parametrize("plan", ONE_ROW_CANDIDATES, ids=str)
+def test_one_row_plans_the_sweep_may_record_are_exact(plan):
+    """Every plan `hsmc tune-kernels` may write for the one-row kernel gives the reference's result, as a norm-fed
+    Linear and as a down (SiLU·mul before it, the residual after): N ragged against its rows, K against its tile."""
+    torch.manual_seed(plan.block_n)
+    n, k = 2 * plan.block_n + 3, 2 * plan.block_k + 40
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.float32)
+    x, gate_up = torch.randn(1, k, device=DEVICE), torch.randn(1, 2 * k, device=DEVICE)
+    norm, residual = (torch.rand(k, device=DEVICE) + 0.5, 1e-6), torch.randn(1, n, device=DEVICE)
+    cases = [({"x": x, "norm": norm}, decode_linear_reference(x, w, None, norm)),
+             ({"x": gate_up, "silu_mul": True, "residual": residual},
+              decode_linear_reference(gate_up, w, None, None, True, residual))]  # fmt: skip
+    for kwargs, ref in cases:
+        out = decode_linear(weight=w, plan=plan, **kwargs)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < _linear_tolerance(torch.float32)
 
 
 @pytest.mark.parametrize("n,k,block_n,block_k", [(256, 384, 8, 128), (136, 300, 16, 256), (64, 520, 4, 512)])

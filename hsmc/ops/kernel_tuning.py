@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from hsmc.ops.decode_linear import DecodeLinearPlan
 from hsmc.ops.few_row_linear import FewRowPlan
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: one_row_plans
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +50,8 @@ class KernelTuning:
     capability: tuple[int, int]
     versions: Versions
     measured: str  # when and how, for the reader
+    # (N, K) -> one-row kernel plan of a dense weight, where one beat the default (`plan_decode_linear`)
+    one_row_plans: dict[tuple[int, int], DecodeLinearPlan] = field(default_factory=dict)
     # (N, K, row tile 16 or 32) -> few-row kernel plan; a 32-row plan exists only where it beat cuBLAS
     few_row_plans: dict[tuple[int, int, int], FewRowPlan] = field(default_factory=dict)
     cublaslt_gemms: frozenset[tuple[int, int, int]] = frozenset()  # (N, K, rows): dense GEMMs faster in cuBLASLt
@@ -63,6 +66,7 @@ class KernelTuning:
             "device": {"name": self.device_name, "capability": list(self.capability)},
             "versions": asdict(self.versions),
             "measured": self.measured,
+            "one_row_plans": [{"n": n, "k": k, **asdict(plan)} for (n, k), plan in self.one_row_plans.items()],
             "few_row_plans": [
                 {"n": n, "k": k, "row_tile": tile, **asdict(plan)} for (n, k, tile), plan in self.few_row_plans.items()
             ],
@@ -87,6 +91,12 @@ class KernelTuning:
                 capability=(capability[0], capability[1]),
                 versions=Versions(**data["versions"]),
                 measured=str(data["measured"]),
+                one_row_plans={
+                    (e["n"], e["k"]): DecodeLinearPlan(
+                        e["block_n"], e["block_k"], e["num_warps"], e["num_stages"], e["fuse_prologue"]
+                    )
+                    for e in data["one_row_plans"]
+                },
                 few_row_plans={
                     (e["n"], e["k"], e["row_tile"]): FewRowPlan(
                         e["block_n"], e["block_k"], e["split_k"], e["num_warps"], e["num_stages"]
@@ -112,7 +122,8 @@ class KernelTuning:
 
 DEFAULTS = KernelTuning("any", (0, 0), Versions("any", None, None), "heuristic defaults")
 DEFAULTS_IN_WORDS = (
-    "heuristic defaults (few-row kernel at 2..16 rows with its default plan, torch's BLAS library at its own rows "
+    "heuristic defaults (one-row kernel plans by weight width, few-row kernel at 2..16 rows with its default plan, "
+    "torch's BLAS library at its own rows "
     "for every dense GEMM, FP8 weight-only Triton GEMM up to 256 rows, FP8 activations on the Triton GEMM)"
 )
 

@@ -18,6 +18,7 @@ from functools import cache
 import torch
 from torch import nn
 
+from hsmc.ops.decode_linear import DecodeLinearPlan
 from hsmc.ops.few_row_linear import MAX_ROWS, FewRowPlan, default_few_row_plan
 from hsmc.ops.fp8_gemm import block_scaled_supported
 from hsmc.ops.fp8_linear import Fp8Linear
@@ -46,6 +47,7 @@ class Route:
     run_rows: int
     cublaslt: bool = False  # BLAS: cuBLASLt instead of torch's preferred library
     few_row_plan: FewRowPlan | None = None
+    one_row_plan: DecodeLinearPlan | None = None  # ONE_ROW, dense weights: measured (None: `plan_decode_linear`)
 
 
 class LinearRouter:
@@ -75,7 +77,7 @@ class LinearRouter:
 
     def _dense(self, rows: int, n: int, k: int, norm_fed: bool) -> Route:
         if rows == 1:
-            return Route(Kernel.ONE_ROW, 1)
+            return Route(Kernel.ONE_ROW, 1, one_row_plan=self.tuning.one_row_plans.get((n, k)))
         if rows <= MAX_ROWS:
             plan = self.tuning.few_row_plans.get((n, k, 16 if rows <= 16 else 32))
             if rows <= FEW_ROWS_WITHOUT_PLAN:

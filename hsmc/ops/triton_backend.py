@@ -158,7 +158,9 @@ def run_route(
     """[residual +] linear(prologue(x)) through `route`; the prologue is RMSNorm with `norm` = (weight, eps) or
     SiLU·mul of x = [gate | up] (a residual is consumed: the result may be that tensor, added into)."""
     if route.kernel is Kernel.ONE_ROW:
-        return decode_linear(x, **_weights(linear), norm=norm, silu_mul=silu_mul, residual=residual)
+        return decode_linear(
+            x, **_weights(linear), norm=norm, silu_mul=silu_mul, residual=residual, plan=route.one_row_plan
+        )
     if route.kernel is Kernel.FEW_ROWS:
         return few_row_linear(
             x, linear.weight, bias=linear.bias, norm=norm, silu_mul=silu_mul, residual=residual, plan=route.few_row_plan

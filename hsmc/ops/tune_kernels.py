@@ -22,6 +22,7 @@ from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
 from hsmc.models.parallel import TensorParallel
 from hsmc.models.shapes import RANDOM_PREFIX, hf_config
+from hsmc.ops.decode_linear import DecodeLinearPlan
 from hsmc.ops.few_row_linear import FewRowPlan, default_few_row_plan
 from hsmc.ops.fp8_gemm import block_scaled_gemm, w8a8_gemm
 from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, quantize_fp8
@@ -32,6 +33,7 @@ from hsmc.ops.triton_backend import run_route
 Linears = dict[str, tuple[int, int, bool]]  # name -> (N, K, fed by an RMSNorm)
 TUNED_MODELS = ("qwen3-8b", "qwen3-32b")
 NORM_FED = ("qkv", "gate_up", "lm_head")  # the others (o, down) add the residual
+SILU_FED = " down"  # a name holding it: the Linear after SiLU·mul (its one-row kernel may fuse that step)
 
 
 def qwen3_linears(tensor_parallel: Sequence[int] = (1,)) -> Linears:
@@ -56,6 +58,15 @@ def qwen3_linears(tensor_parallel: Sequence[int] = (1,)) -> Linears:
 
 
 QWEN3_LINEARS = qwen3_linears()  # one GPU's
+# One-row plans of dense weights: rows per program (how many programs share the SMs: the sharded Linears of a TP
+# rank are narrower), K tile and warps, and whether the prologue runs in the kernel
+ONE_ROW_CANDIDATES = [
+    DecodeLinearPlan(block_n, block_k, warps, 1, fuse)
+    for block_n in (4, 8, 16, 32)
+    for block_k in (256, 512, 1024)
+    for warps in (4, 8)
+    for fuse in (True, False)
+]
 FEW_ROW_CANDIDATES = [
     FewRowPlan(block_n, block_k, 1, warps, stages)
     for block_n in (32, 64)
@@ -103,13 +114,15 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
     fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not name.endswith("lm_head")}
     shapes = len(linears)
     bench = _Bench(
-        shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
+        shapes * (len(ONE_ROW_CANDIDATES) + 1)
+        + shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
         + shapes
         + shapes * len(GEMM_ROWS) * 2
         + sum(norm for *_, norm in linears.values()) * len(PAD_ROWS) * (len(PAD_STEPS) + 1)
         + len(fp8) * (len(FP8_WEIGHT_ONLY_ROWS) + len(FP8_ACT_ROWS)) * 2
     )
     with torch.no_grad():
+        one_row_plans = _one_row_plans(bench, linears, dense)
         few_row_plans = _few_row_plans(bench, linears, dense, device)
         cublaslt = _cublaslt_gemms(bench, linears, dense)
         padded = _padded_rows(bench, linears, dense, cublaslt)
@@ -122,6 +135,7 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
         torch.cuda.get_device_capability(index),
         current_versions(),
         f"{date.today()}: hsmc tune-kernels --tensor-parallel {','.join(map(str, tensor_parallel))}",
+        one_row_plans,
         few_row_plans,
         frozenset(cublaslt),
         padded,
@@ -145,13 +159,14 @@ def _fp8(linear: nn.Linear) -> Fp8Linear:
     return module
 
 
-def _inputs(rows: int, linear: nn.Module, norm: bool) -> dict:
-    """run_route's keywords for a norm-fed Linear or one with a residual (o, down), as the backend calls them."""
+def _inputs(rows: int, linear: nn.Module, norm: bool, silu: bool = False) -> dict:
+    """run_route's keywords for a norm-fed Linear or one with a residual (o, down), as the backend calls them;
+    `silu`: x is [gate | up] and the route runs SiLU·mul first (as a one-row down does)."""
     k, n = linear.in_features, linear.out_features
-    x = torch.randn(rows, k, device=linear.weight.device, dtype=torch.bfloat16)
+    x = torch.randn(rows, 2 * k if silu else k, device=linear.weight.device, dtype=torch.bfloat16)
     if norm:
         return {"x": x, "norm": (torch.ones(k, device=x.device, dtype=x.dtype), 1e-6)}
-    return {"x": x, "residual": torch.randn(rows, n, device=x.device, dtype=x.dtype)}
+    return {"x": x, "residual": torch.randn(rows, n, device=x.device, dtype=x.dtype), "silu_mul": silu}
 
 
 def _time(bench: _Bench, route: Route, linear: nn.Module, inputs: dict) -> float:
@@ -160,6 +175,21 @@ def _time(bench: _Bench, route: Route, linear: nn.Module, inputs: dict) -> float
         return bench.ms(lambda: run_route(route, linear=linear, **inputs))
     except OutOfResources:
         return math.inf
+
+
+def _one_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear]) -> dict:
+    """Per shape, the fastest one-row plan where it beats the default (`plan_decode_linear`'s)."""
+    plans = {}
+    for name, (n, k, norm) in linears.items():
+        inputs = _inputs(1, dense[name], norm, silu=SILU_FED in name)
+        timed = {
+            plan: _time(bench, Route(Kernel.ONE_ROW, 1, one_row_plan=plan), dense[name], inputs)
+            for plan in (None, *ONE_ROW_CANDIDATES)
+        }
+        best = min(timed, key=timed.get)
+        if best is not None and timed[best] <= FASTER * timed[None]:
+            plans[n, k] = best
+    return plans
 
 
 def _few_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear], device: torch.device) -> dict:

@@ -115,6 +115,9 @@ def test_this_gpu_routes_with_its_packaged_tuning_file():
     assert tuning_for(device) == tuning
     router = router_for(device)
     assert router.tuning == tuning
+    for (n, k), plan in tuning.one_row_plans.items():
+        route = router.plan(torch.Size((1, k)), nn.Linear(k, n, device="meta"), torch.bfloat16)
+        assert route.kernel is Kernel.ONE_ROW and route.one_row_plan == plan
     for (n, k, tile), plan in tuning.few_row_plans.items():
         route = router.plan(torch.Size((8 if tile == 16 else 24, k)), nn.Linear(k, n, device="meta"), torch.bfloat16)
         assert route.kernel is Kernel.FEW_ROWS and route.few_row_plan == plan
