@@ -114,7 +114,7 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
     fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not name.endswith("lm_head")}
     shapes = len(linears)
     bench = _Bench(
-        shapes * (len(ONE_ROW_CANDIDATES) + 1)
+        sum(len(_one_row_candidates(name, norm)) + 1 for name, (*_, norm) in linears.items())
         + shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
         + shapes
         + shapes * len(GEMM_ROWS) * 2
@@ -184,12 +184,17 @@ def _one_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear])
         inputs = _inputs(1, dense[name], norm, silu=SILU_FED in name)
         timed = {
             plan: _time(bench, Route(Kernel.ONE_ROW, 1, one_row_plan=plan), dense[name], inputs)
-            for plan in (None, *ONE_ROW_CANDIDATES)
+            for plan in (None, *_one_row_candidates(name, norm))
         }
         best = min(timed, key=timed.get)
         if best is not None and timed[best] <= FASTER * timed[None]:
             plans[n, k] = best
     return plans
+
+
+def _one_row_candidates(name: str, norm: bool) -> list[DecodeLinearPlan]:
+    """A Linear without a prologue (o) runs the same kernel whether or not the plan fuses one: time it once."""
+    return [p for p in ONE_ROW_CANDIDATES if p.fuse_prologue or norm or SILU_FED in name]
 
 
 def _few_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear], device: torch.device) -> dict:
