@@ -104,25 +104,27 @@ class HierarchicalDecoder:
         a synthetic request decoded with it (its run of one token, the prefill's, subtracted), the fastest of
         TIMING_REPEATS timings after one untimed run (the first calls of a process are slower). With CUDA graphs
         each shape is captured at its first run and a timing during which any graph was captured is taken again: a
-        capture costs more than many rounds (on an H100 such timings came out negative). One request: the choice at
-        larger batches uses the same times."""
+        capture costs more than many rounds (on an H100 such timings came out negative). Timed with one request and
+        with as many as the rows hold; the choice at a batch size between takes the times between."""
         from tqdm import tqdm
 
         choice, scope = level.draft_length, self.stack.scope
         prompt = [t % self.vocab_size for t in range(1, 17)]
+        sizes = sorted({1, self.stack.max_rows // self.stack.rows_per_prompt})
+        bar = tqdm(total=choice.arms * len(sizes), desc="draft shape: auto, timing rounds", unit="shape",
+                   file=sys.stderr)  # fmt: skip
         was, scope.capturing = scope.capturing, "every"
         try:
             choice.forced = choice.most
             self.generate([prompt], max_new_tokens=TIMING_ROUNDS * (choice.most + 1), ignore_eos=True)
-            times = []
-            for arm in tqdm(range(choice.arms), desc="draft shape: auto, timing rounds", unit="shape",
-                            file=sys.stderr):  # fmt: skip
+            times: dict[int, list[float]] = {}
+            for n, arm in ((n, arm) for n in sizes for arm in range(choice.arms)):
                 choice.forced, timed = arm, []
                 for _ in range(TIMING_REPEATS + TIMING_RETRIES):
                     graphs, spans = scope.graphs_captured(), []
                     for tokens in (1, TIMING_ROUNDS * (choice.shape(arm)[0] + 1)):
                         began = time.perf_counter()
-                        self.generate([prompt], max_new_tokens=tokens, ignore_eos=True)
+                        self.generate([prompt] * n, max_new_tokens=tokens, ignore_eos=True)
                         spans.append((time.perf_counter() - began, level.steps))
                     (one, one_rounds), (all_, rounds) = spans
                     if scope.graphs_captured() == graphs:
@@ -131,9 +133,11 @@ class HierarchicalDecoder:
                         break
                 if not timed:
                     raise RuntimeError(f"draft shape auto: every timing of {choice.shape(arm)} captured a CUDA graph")
-                times.append(1000 * min(timed))
+                times.setdefault(n, []).append(1000 * min(timed))
+                bar.update()
         finally:
             scope.capturing, choice.forced = was, None
+            bar.close()
         choice.round_ms = times
         choice.forget()
 

@@ -100,9 +100,9 @@ def main() -> None:
                   f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f}", flush=True)  # fmt: skip
             if drafter is not None and gamma in ("auto", "tree-auto"):
                 choice = decoder.stack.top.draft_length
-                times = choice.round_ms
-                print(f"     {gamma}'s round times at start (ms, γ = 0..{choice.most}, then trees): "
-                      + " ".join(f"{t:.1f}" for t in times), flush=True)  # fmt: skip
+                for rows, times in choice.round_ms.items():
+                    print(f"     {gamma}'s round times at start, {rows} row(s) (ms, γ = 0..{choice.most}, then trees): "
+                          + " ".join(f"{t:.1f}" for t in times), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def _scheduled(decoder: HierarchicalDecoder, picks: list[int]) -> list[int]:
     taken: list[int] = []
     schedule = itertools.cycle(picks)
 
-    def choose() -> int:
+    def choose(rows: int) -> int:
         taken.append(next(schedule))
         return taken[-1]
 
@@ -83,25 +83,42 @@ def test_the_choice_maximizes_expected_tokens_per_second_and_follows_acceptance(
     choice shortens, then the target alone wins (probed with γ = 1 so seldom that the probes' extra time is
     PROBE_SHARE of the time at most); acceptance returning brings drafting back."""
     choice = DraftLength(8)
-    choice.round_ms = [10.0 + 1.2 * g for g in range(9)]  # γ drafts then a verify of γ + 1 positions
+    ms = [10.0 + 1.2 * g for g in range(9)]  # γ drafts then a verify of γ + 1 positions
+    choice.round_ms = {1: ms}
     choice.kept, choice.rejected = 90.0, 10.0
-    assert choice.choose() == max(range(9), key=lambda g: expected_tokens(0.9, g) / choice.round_ms[g]) == 8
+    assert choice.choose(1) == max(range(9), key=lambda g: expected_tokens(0.9, g) / ms[g]) == 8
     seen = []
     for _ in range(300):
-        gamma = choice.choose()
+        gamma = choice.choose(1)
         seen.append(gamma)
         if gamma:
             choice.observe(gamma, [0])  # every first draft rejected
     assert choice.rate < 0.1
-    every = choice.probe_every
-    assert every == 6 and every * 10.0 * PROBE_SHARE >= choice.round_ms[1] - choice.round_ms[0] - 1e-9
+    every = choice.probe_every(1)
+    assert every == 6 and every * 10.0 * PROBE_SHARE >= ms[1] - ms[0] - 1e-9
     last = seen[-3 * every :]
     assert last.count(0) == 3 * every - 3 and last.count(1) == 3, "the target alone, probed once every 6 rounds"
     for _ in range(200):
-        gamma = choice.choose()
+        gamma = choice.choose(1)
         if gamma:
             choice.observe(gamma, [gamma])  # every draft kept again
-    assert choice.choose() == 8
+    assert choice.choose(1) == 8
+
+
+def test_each_batch_size_chooses_with_the_round_times_between_those_timed():
+    """Drafts that are nearly free at one row and cost more than a verify each at 16 rows: at α = 0.9 one row
+    takes the longest chain and 16 rows the target alone (no γ pays for itself there); a batch size between takes
+    the times linearly between, and so a length between."""
+    choice = DraftLength(8)
+    one, full = [10.0 + 0.5 * g for g in range(9)], [40.0 + 50.0 * g for g in range(9)]
+    choice.round_ms = {1: one, 16: full}
+    choice.kept, choice.rejected = 900.0, 100.0
+    assert choice.ms(3, 1) == one[3] and choice.ms(3, 16) == full[3] and choice.ms(3, 40) == full[3]
+    assert choice.ms(3, 6) == pytest.approx(one[3] + (full[3] - one[3]) * 5 / 15)
+    assert choice.choose(1) == 8 and choice.choose(16) == 0
+    middle = choice.choose(4)
+    between = [(1 - 3 / 15) * a + 3 / 15 * b for a, b in zip(one, full)]
+    assert middle == max(range(9), key=lambda g: expected_tokens(0.9, g) / between[g]) and 0 < middle < 8
 
 
 def test_costly_drafts_are_never_chosen_when_no_length_pays_for_itself():
@@ -109,10 +126,10 @@ def test_costly_drafts_are_never_chosen_when_no_length_pays_for_itself():
     accepted length of 4.0 of 5, γ = 4 gives 4.0 / (3.3 + 4/3) < 1 token per step: no γ wins, the target alone
     runs except for the probes (γ = 1, one round in 46: 2 % of the time)."""
     choice = DraftLength(8)
-    choice.round_ms = [1.0] + [0.575 * (g + 1) + g / 3 + 0.425 for g in range(1, 9)]
+    choice.round_ms = {1: [1.0] + [0.575 * (g + 1) + g / 3 + 0.425 for g in range(1, 9)]}
     choice.kept, choice.rejected = 0.8 * 1000, 0.2 * 1000  # α ≈ 0.8: 3.4 tokens a round at γ = 4
-    assert choice.probe_every == 46
-    picks = [choice.choose() for _ in range(4 * 46)]
+    assert choice.probe_every(1) == 46
+    picks = [choice.choose(1) for _ in range(4 * 46)]
     assert picks.count(0) == 4 * 46 - 4 and picks.count(1) == 4
 
 
@@ -122,14 +139,15 @@ def test_a_tree_is_tried_on_its_prediction_and_then_judged_by_its_own_rounds():
     until the best chain wins; they leave the chains' α alone."""
     tree = TreeShape(depth=4, topk=3, budget=8)
     choice = DraftLength(4, [tree])
-    choice.round_ms = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]  # arm 5: the tree
+    ms = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]  # arm 5: the tree
+    choice.round_ms = {1: ms}
     choice.kept, choice.rejected = 600.0, 400.0
     assert choice.expected(5) == pytest.approx(expected_tokens(1 - 0.4**3, 4))
-    assert choice.choose() == 5
+    assert choice.choose(1) == 5
     for _ in range(40):
         choice.observe(5, [0])
-    best_chain = max(range(5), key=lambda g: expected_tokens(0.6, g) / choice.round_ms[g])
-    assert choice.choose() == best_chain and choice.rate == pytest.approx(0.6)
+    best_chain = max(range(5), key=lambda g: expected_tokens(0.6, g) / ms[g])
+    assert choice.choose(1) == best_chain and choice.rate == pytest.approx(0.6)
     assert choice.expected(5) < 1.5
 
 
@@ -163,8 +181,9 @@ def test_start_times_every_gamma_and_a_longer_round_costs_more(pair):  # noqa: F
     draft, target = pair
     decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0)
     choice = decoder.stack.top.draft_length
-    assert len(choice.round_ms) == AUTO_MOST_DRAFTS + 1 and min(choice.round_ms) > 0
-    assert choice.round_ms[AUTO_MOST_DRAFTS] > choice.round_ms[0]
+    assert set(choice.round_ms) == {1, 16}  # one request, and as many as the rows hold
+    for ms in choice.round_ms.values():
+        assert len(ms) == AUTO_MOST_DRAFTS + 1 and min(ms) > 0 and ms[AUTO_MOST_DRAFTS] > ms[0]
     assert (choice.kept, choice.rejected, choice.forced) == (1.0, 1.0, None)
     result = decoder.generate([[5, 9, 13]], max_new_tokens=16, ignore_eos=True)[0]
     assert 0 <= result.stats["levels"][1]["mean_draft_tokens"] <= AUTO_MOST_DRAFTS
@@ -238,7 +257,8 @@ def test_start_timing_captures_each_gammas_round_so_the_rounds_timed_are_replays
     gamma = [f.name for f in level.rounds.host if f.role == "key"].index("gamma")
     assert {key[0][2][gamma] for key in level.rounds.captured} == set(range(AUTO_MOST_DRAFTS + 1))
     assert level.rounds.missed == 0 and scope.capturing == was
-    assert all(0 < ms < 1000 for ms in level.draft_length.round_ms), level.draft_length.round_ms
+    times = level.draft_length.round_ms
+    assert all(0 < ms < 1000 for arms in times.values() for ms in arms), times
 
 
 def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind(pair, monkeypatch):  # noqa: F811

@@ -19,6 +19,7 @@ from test_host_reads import reads_and_steps
 from test_serve import configs, live_server, metric, wait_idle  # noqa: F401 (configs: a fixture)
 from test_stacks import SIZES
 
+import hsmc.decoder
 from hsmc.cli import main
 from hsmc.config import load_config
 from hsmc.decoder import HierarchicalDecoder
@@ -172,15 +173,17 @@ def family(tmp_path_factory):
     }
 
 
-def _decode(family, spec: str, temperature: float, tensor_parallel: int, rejection: dict | None = None, **smc) -> list:
+def _decode(
+    family, spec: str, temperature: float, tensor_parallel: int, rejection: dict | None = None, rows: int = 16, **smc
+) -> list:
     """generate() of PROMPTS through a HierarchicalDecoder of the stack `spec` ("kind:model ..."); `rejection`: the
-    rejection levels' draft keys (3 drafts a round by default)."""
+    rejection levels' draft keys (3 drafts a round by default); `rows`: engine.max_batch_rows."""
     levels = []
     for part in spec.split():
         kind, _, name = part.partition(":")
         levels.append({"kind": kind, "model": family[name or "head"], "temperature": temperature})
         levels[-1].update({"rejection": rejection or {"num_draft_tokens": 3}, "smc": smc}.get(kind, {}))
-    engine = {"tensor_parallel": tensor_parallel, "kv_capacity_tokens": 1024, "max_batch_rows": 16}
+    engine = {"tensor_parallel": tensor_parallel, "kv_capacity_tokens": 1024, "max_batch_rows": rows}
     decoder = HierarchicalDecoder(load_config({"levels": levels, "engine": engine}))
     try:
         results = decoder.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
@@ -206,14 +209,15 @@ def test_greedy_stacks_decode_as_at_tp1(family, spec):
 
 @pytest.mark.spawns
 @pytest.mark.timeout(400, method="thread")  # ranks choosing apart would wait on each other for ever
-def test_auto_draft_shapes_are_timed_on_rank_0_and_chosen_alike_on_every_rank(family):
+def test_auto_draft_shapes_are_timed_on_rank_0_and_chosen_alike_on_every_rank(family, monkeypatch):
     """`num_draft_tokens: auto` with `tree: auto` on two ranks: rank 0 times the draft shapes and hands its round
     times to the other rank with each turn's mode; both then read the same rounds and choose the same shapes, so
     they run the same forwards and collectives (without the times the other rank chose apart and both waited on
     each other's collectives). Greedy, so token for token what one process decodes, whatever shapes were chosen."""
-    shapes = {"num_draft_tokens": "auto", "tree": "auto"}
-    whole = _decode(family, "model:llama rejection:qwen2", 0.0, 1, rejection=shapes)
-    sharded = _decode(family, "model:llama rejection:qwen2", 0.0, 2, rejection=shapes)
+    monkeypatch.setattr(hsmc.decoder, "TIMING_REPEATS", 1)  # rank 0 (this process) times; what matters is agreement
+    shapes, rows = {"num_draft_tokens": "auto", "tree": "auto"}, len(PROMPTS)  # shapes timed at 1 and 3 rows
+    whole = _decode(family, "model:llama rejection:qwen2", 0.0, 1, rejection=shapes, rows=rows)
+    sharded = _decode(family, "model:llama rejection:qwen2", 0.0, 2, rejection=shapes, rows=rows)
     assert [r.token_ids for r in sharded] == [r.token_ids for r in whole]
     assert "mean_draft_tokens" in sharded[0].stats["levels"][-1]
 

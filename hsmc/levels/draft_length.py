@@ -1,13 +1,14 @@
 """`num_draft_tokens: auto` and `tree: auto`: each round's draft shape, chosen for the most expected tokens per second.
 
 The shapes ("arms") are chains of γ = 0..most drafts and, with `tree: auto`, the draft trees of AUTO_TREES. A round
-of an arm costs `round_ms[arm]` (measured on the machine at start: `HierarchicalDecoder` decodes a synthetic request
-with each arm, γ = 0 being the target alone). A chain of γ yields 1 + α + … + α^γ tokens when each draft is kept
-with probability α (the i.i.d. acceptance model of Leviathan et al., 2023). α is estimated from the chain rounds
-read so far, each count discounted by DECAY per row-round read, so the choice follows acceptance as it drifts. A
-tree's yield is predicted as a chain of its depth whose every step keeps one of `topk` children, 1 - (1 - α)^topk
-(optimistic: siblings are not independent), times what its own rounds yielded over what that predicted for them
-(discounted alike), so a tree is tried and then judged by its rounds.
+of an arm costs `ms(arm, rows)`, measured on the machine at start (`HierarchicalDecoder` decodes synthetic requests
+with each arm, γ = 0 being the target alone, one alone and as many as the rows hold): a verify's cost grows with its
+rows times its tokens, so the shape that pays at one row may not at a full batch. A chain of γ yields 1 + α + … +
+α^γ tokens when each draft is kept with probability α (the i.i.d. acceptance model of Leviathan et al., 2023). α is
+estimated from the chain rounds read so far, each count discounted by DECAY per row-round read, so the choice
+follows acceptance as it drifts. A tree's yield is predicted as a chain of its depth whose every step keeps one of
+`topk` children, 1 - (1 - α)^topk (optimistic: siblings are not independent), times what its own rounds yielded over
+what that predicted for them (discounted alike), so a tree is tried and then judged by its rounds.
 While γ = 0 wins, nothing is observed: now and then a round drafts anyway (γ = 1, the cheapest), as seldom as keeps
 those probes' extra time under PROBE_SHARE of the time, so that better acceptance is noticed. The choice only ever
 depends on rounds already read, never on the round it is for, so every round is an ordinary speculative-sampling
@@ -40,7 +41,8 @@ def tree_tokens(rate: float, tree: TreeShape) -> float:
 class DraftLength:
     def __init__(self, most: int, trees: Sequence[TreeShape] = ()) -> None:
         self.most, self.trees = most, tuple(trees)
-        self.round_ms: list[float] | None = None  # per arm (γ in 0..most, then each tree); None until timed
+        # per batch size timed (rows), each arm's round time (γ in 0..most, then each tree); None until timed
+        self.round_ms: dict[int, list[float]] | None = None
         self.forced: int | None = None  # the arm every round takes while the rounds are timed
         self.forget()
 
@@ -68,26 +70,37 @@ class DraftLength:
         got, predicted = self.tree_rounds[arm - self.most - 1]
         return tree_tokens(self.rate, tree) * (got + TREE_PRIOR_TOKENS) / (predicted + TREE_PRIOR_TOKENS)
 
-    def choose(self) -> int:
-        """The arm of the next round."""
+    def ms(self, arm: int, rows: int) -> float:
+        """An arm's round time at `rows` rows: linear between the nearest batch sizes timed (the nearest one's
+        outside them)."""
+        times = self.round_ms
+        assert times is not None
+        below = max((n for n in times if n <= rows), default=min(times))
+        above = min((n for n in times if n >= rows), default=max(times))
+        if below == above:
+            return times[below][arm]
+        share = (rows - below) / (above - below)
+        return (1 - share) * times[below][arm] + share * times[above][arm]
+
+    def choose(self, rows: int) -> int:
+        """The arm of the next round of `rows` rows."""
         if self.forced is not None:
             return self.forced
         if self.round_ms is None:
             return self.most // 2
-        best = max(range(self.arms), key=lambda arm: self.expected(arm) / self.round_ms[arm])  # type: ignore[index]
+        best = max(range(self.arms), key=lambda arm: self.expected(arm) / self.ms(arm, rows))
         if best:
             return best
         self.waited += 1
-        if self.waited < self.probe_every:
+        if self.waited < self.probe_every(rows):
             return 0
         self.waited = 0
         return 1
 
-    @property
-    def probe_every(self) -> int:
+    def probe_every(self, rows: int) -> int:
         """Rounds of the target alone per probe: a probe's extra time is at most PROBE_SHARE of theirs."""
-        extra = self.round_ms[1] - self.round_ms[0]  # type: ignore[index]
-        return max(1, math.ceil(extra / (PROBE_SHARE * self.round_ms[0])))  # type: ignore[index]
+        extra = self.ms(1, rows) - self.ms(0, rows)
+        return max(1, math.ceil(extra / (PROBE_SHARE * self.ms(0, rows))))
 
     def observe(self, arm: int, accepted: list[int]) -> None:
         """One round read: each row kept `accepted` of its arm's drafts (a chain's row that stopped short rejected

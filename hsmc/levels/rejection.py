@@ -176,7 +176,7 @@ class RejectionLevel:
         """One draft/verify cycle for every row; all of its 1..γ+1 tokens are handed over."""
         choice = None
         if self.draft_length is not None:
-            choice = self.draft_length.choose()
+            choice = self.draft_length.choose(rows.shape[0])
             self._take(*self.draft_length.shape(choice))
             self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
         base = self.state.seq_len[rows]

@@ -33,6 +33,8 @@ from hsmc.models.shapes import SHAPES, random_loaded, random_shape
 from hsmc.ops.backend import Backend, TorchBackend
 from hsmc.ops.fp8_linear import Fp8Linear
 
+RoundTimes = tuple[tuple[int, tuple[float, ...]], ...]  # (rows, each arm's round ms) per batch size, as sent to ranks
+
 
 @dataclass
 class Stack:
@@ -95,7 +97,7 @@ class Stack:
         return self.top.draft_length if isinstance(self.top, RejectionLevel) else None
 
     @property
-    def mode(self) -> tuple[str, int | None, int, bool, tuple[float, ...] | None]:
+    def mode(self) -> tuple[str, int | None, int, bool, RoundTimes | None]:
         """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
         capturing and a forced choice (`choice`: both set by the warmup or the draft shapes' timing), the
         statistics resets (a block fill's plans follow its acceptance counts), whether SMC cycles replay their
@@ -106,9 +108,10 @@ class Stack:
         replay = self.top.replay_cycles if self.is_smc else True
         times = choice.round_ms if isinstance(choice, DraftLength) else None
         forced = choice.forced if choice is not None else None
-        return self.scope.capturing, forced, self.resets, replay, None if times is None else tuple(times)
+        timed = None if times is None else tuple((rows, tuple(ms)) for rows, ms in sorted(times.items()))
+        return self.scope.capturing, forced, self.resets, replay, timed
 
-    def set_mode(self, mode: tuple[str, int | None, int, bool, tuple[float, ...] | None]) -> None:
+    def set_mode(self, mode: tuple[str, int | None, int, bool, RoundTimes | None]) -> None:
         capturing, forced, resets, replay, times = mode
         self.scope.capturing = capturing  # type: ignore[assignment]
         if self.is_smc:
@@ -116,8 +119,8 @@ class Stack:
         choice = self.choice
         if choice is not None:
             choice.forced = forced
-        if times is not None and choice.round_ms != list(times):  # rank 0's timing ended: it forgot what it read
-            choice.round_ms = list(times)
+        if times is not None and choice.round_ms != (timed := {rows: list(ms) for rows, ms in times}):
+            choice.round_ms = timed  # rank 0's timing ended: it forgot what it read
             choice.forget()
         if resets != self.resets:
             self.reset_stats()
