@@ -105,12 +105,15 @@ class HierarchicalDecoder:
         TIMING_REPEATS timings after one untimed run (the first calls of a process are slower). With CUDA graphs
         each shape is captured at its first run and a timing during which any graph was captured is taken again: a
         capture costs more than many rounds (on an H100 such timings came out negative). Timed with one request and
-        with as many as the rows hold; the choice at a batch size between takes the times between."""
+        with as many as the rows (and the KV pools) hold; the choice at a batch size between takes the times
+        between."""
         from tqdm import tqdm
 
         choice, scope = level.draft_length, self.stack.scope
         prompt = [t % self.vocab_size for t in range(1, 17)]
-        sizes = sorted({1, self.stack.max_rows // self.stack.rows_per_prompt})
+        longest = len(prompt) + TIMING_ROUNDS * (max(choice.shape(arm)[0] for arm in range(choice.arms)) + 1)
+        fit = self.stack.capacity // (longest + self.stack.lookahead)  # requests the KV pools hold at once
+        sizes = sorted({1, max(1, min(self.stack.max_rows // self.stack.rows_per_prompt, fit))})
         bar = tqdm(total=choice.arms * len(sizes), desc="draft shape: auto, timing rounds", unit="shape",
                    file=sys.stderr)  # fmt: skip
         was, scope.capturing = scope.capturing, "every"

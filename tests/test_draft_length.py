@@ -13,7 +13,7 @@ from test_eagle_level import small_vocab, verifier_and_head  # noqa: F401
 from test_rejection import _chi2_pvalue, _exact_first_tokens, _hf_greedy, pair, small_vocab_pair  # noqa: F401
 
 from hsmc.config import AUTO_MOST_DRAFTS, load_config
-from hsmc.decoder import HierarchicalDecoder
+from hsmc.decoder import TIMING_ROUNDS, HierarchicalDecoder
 from hsmc.errors import ConfigError
 from hsmc.levels.draft_length import PROBE_SHARE, DraftLength, expected_tokens
 from hsmc.levels.tree import TreeShape
@@ -31,11 +31,12 @@ def _auto_stack(
     tree: str | None = None,
     rule: str = "target_only",
     timed: bool = True,
+    capacity: int = 4096,
 ) -> HierarchicalDecoder:
     """`timed=False`: without the start-up timing, for tests that force the shapes (`_scheduled`)."""
     top = {"kind": "rejection", "model": str(target), "temperature": target_t, "num_draft_tokens": "auto"}
     levels = [drafter, {**top, "tree": tree, "tree_rule": rule}]
-    config = {"levels": levels, "engine": {"kv_capacity_tokens": 4096, "max_batch_rows": rows}}
+    config = {"levels": levels, "engine": {"kv_capacity_tokens": capacity, "max_batch_rows": rows}}
     if timed:
         return HierarchicalDecoder.from_config(config)
     with mock.patch.object(HierarchicalDecoder, "_time_rounds", lambda self, level: None):
@@ -177,11 +178,14 @@ def test_auto_is_refused_where_a_round_must_take_one_gamma(pair):  # noqa: F811
 
 def test_start_times_every_gamma_and_a_longer_round_costs_more(pair):  # noqa: F811
     """Each γ in 0..AUTO_MOST_DRAFTS is timed at start (γ drafts and a verify of γ + 1 positions: the longest round
-    costs more than the verifier alone); the timing's synthetic rounds leave no trace in the acceptance estimate."""
+    costs more than the verifier alone), with one request and with as many as the rows and the KV pools hold; the
+    timing's synthetic rounds leave no trace in the acceptance estimate."""
     draft, target = pair
-    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0)
+    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, capacity=600)
     choice = decoder.stack.top.draft_length
-    assert set(choice.round_ms) == {1, 16}  # one request, and as many as the rows hold
+    longest = 16 + TIMING_ROUNDS * (AUTO_MOST_DRAFTS + 1) + decoder.stack.lookahead  # a timing request's tokens
+    full = 600 // longest
+    assert 1 < full < 16 and set(choice.round_ms) == {1, full}  # one request, and as many as the KV pools hold
     for ms in choice.round_ms.values():
         assert len(ms) == AUTO_MOST_DRAFTS + 1 and min(ms) > 0 and ms[AUTO_MOST_DRAFTS] > ms[0]
     assert (choice.kept, choice.rejected, choice.forced) == (1.0, 1.0, None)
