@@ -104,16 +104,18 @@ class HierarchicalDecoder:
         a synthetic request decoded with it (its run of one token, the prefill's, subtracted), the fastest of
         TIMING_REPEATS timings after one untimed run (the first calls of a process are slower). With CUDA graphs
         each shape is captured at its first run and a timing during which any graph was captured is taken again: a
-        capture costs more than many rounds (on an H100 such timings came out negative). Timed with one request and
-        with as many as the rows (and the KV pools) hold; the choice at a batch size between takes the times
-        between."""
+        capture costs more than many rounds (on an H100 such timings came out negative). Timed at 1, 4, 16, ...
+        requests and at as many as the rows (and the KV pools) hold: a round's time is flat while the weight read
+        bounds it and grows with the rows once the arithmetic does, and the choice at a batch size between takes
+        the times linearly between its neighbours."""
         from tqdm import tqdm
 
         choice, scope = level.draft_length, self.stack.scope
         prompt = [t % self.vocab_size for t in range(1, 17)]
         longest = len(prompt) + TIMING_ROUNDS * (max(choice.shape(arm)[0] for arm in range(choice.arms)) + 1)
         fit = self.stack.capacity // (longest + self.stack.lookahead)  # requests the KV pools hold at once
-        sizes = sorted({1, max(1, min(self.stack.max_rows // self.stack.rows_per_prompt, fit))})
+        full = max(1, min(self.stack.max_rows // self.stack.rows_per_prompt, fit))
+        sizes = sorted({1, full, *(4**k for k in range(1, full.bit_length()) if 2 * 4**k <= full)})
         bar = tqdm(total=choice.arms * len(sizes), desc="draft shape: auto, timing rounds", unit="shape",
                    file=sys.stderr)  # fmt: skip
         was, scope.capturing = scope.capturing, "every"

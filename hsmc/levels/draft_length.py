@@ -2,13 +2,13 @@
 
 The shapes ("arms") are chains of γ = 0..most drafts and, with `tree: auto`, the draft trees of AUTO_TREES. A round
 of an arm costs `ms(arm, rows)`, measured on the machine at start (`HierarchicalDecoder` decodes synthetic requests
-with each arm, γ = 0 being the target alone, one alone and as many as the rows hold): a verify's cost grows with its
-rows times its tokens, so the shape that pays at one row may not at a full batch. A chain of γ yields 1 + α + … +
-α^γ tokens when each draft is kept with probability α (the i.i.d. acceptance model of Leviathan et al., 2023). α is
-estimated from the chain rounds read so far, each count discounted by DECAY per row-round read, so the choice
-follows acceptance as it drifts. A tree's yield is predicted as a chain of its depth whose every step keeps one of
-`topk` children, 1 - (1 - α)^topk (optimistic: siblings are not independent), times what its own rounds yielded over
-what that predicted for them (discounted alike), so a tree is tried and then judged by its rounds.
+with each arm, γ = 0 being the target alone, at 1, 4, 16, ... requests and as many as the rows hold): a verify's
+cost grows with its rows times its tokens, so the shape that pays at one row may not at a full batch. A chain of γ
+yields 1 + α + … + α^γ tokens when each draft is kept with probability α (the i.i.d. acceptance model of Leviathan
+et al., 2023). α is estimated from the chain rounds read so far, each count discounted by DECAY per row-round read,
+so the choice follows acceptance as it drifts. A tree's yield is predicted as a chain of its depth whose every step
+keeps one of `topk` children, 1 - (1 - α)^topk (optimistic: siblings are not independent), times what its own rounds
+yielded over what that predicted for them (discounted alike), so a tree is tried and then judged by its rounds.
 While γ = 0 wins, nothing is observed: now and then a round drafts anyway (γ = 1, the cheapest), as seldom as keeps
 those probes' extra time under PROBE_SHARE of the time, so that better acceptance is noticed. The choice only ever
 depends on rounds already read, never on the round it is for, so every round is an ordinary speculative-sampling
