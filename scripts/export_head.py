@@ -8,16 +8,17 @@ from __future__ import annotations
 import argparse
 
 from hsmc.eagle.checkpoint import load_eagle3_head, save_eagle3_head
+from hsmc.models.loading import DTYPES
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("source")
     parser.add_argument("destination")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     args = parser.parse_args()
-    head, config = load_eagle3_head(args.source, dtype=args.dtype)
-    folder = save_eagle3_head(head, {**config, "torch_dtype": args.dtype}, args.destination)
+    head, config = load_eagle3_head(args.source)
+    folder = save_eagle3_head(head, config, args.destination, DTYPES[args.dtype])
     print(f"wrote {folder}")
 
 

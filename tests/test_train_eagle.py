@@ -65,6 +65,29 @@ def test_keep_checkpoints_must_be_positive(setup):
     root, verifier, prompts = setup
     with pytest.raises(ConfigError, match="keep_checkpoints must be positive, got 0"):
         _config(root, verifier, prompts, "none", keep_checkpoints=0)
+    with pytest.raises(ConfigError, match="export_dtype must be one of float32, bfloat16, float16, got 'fp8'"):
+        _config(root, verifier, prompts, "none", export_dtype="fp8")
+
+
+def test_the_head_is_exported_in_export_dtype(setup):
+    """export_dtype=bfloat16 writes the trained float32 weights rounded to bf16 (the same run exported twice: the
+    training is seeded), named so in config.json; the vocabulary maps stay integers."""
+    from safetensors.torch import load_file
+
+    root, verifier, prompts = setup
+    heads = {
+        dtype: train_eagle(_config(root, verifier, prompts, f"export-{dtype}", steps=3, export_dtype=dtype))
+        for dtype in ("float32", "bfloat16")
+    }
+    full, half = (load_file(heads[d] / "model.safetensors") for d in ("float32", "bfloat16"))
+    assert full.keys() == half.keys()
+    for key, value in full.items():
+        if value.is_floating_point():
+            assert value.dtype == torch.float32 and half[key].dtype == torch.bfloat16, key
+            assert torch.equal(half[key], value.to(torch.bfloat16)), key
+        else:
+            assert torch.equal(half[key], value), key
+    assert json.loads((heads["bfloat16"] / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_weights(setup, monkeypatch):

@@ -139,14 +139,22 @@ def load_eagle3_head(
     return head.eval().requires_grad_(False), config
 
 
-def save_eagle3_head(head: Eagle3Head, config: dict[str, Any], folder: str | Path) -> Path:
-    """Write config.json and model.safetensors in the published layout."""
+def save_eagle3_head(
+    head: Eagle3Head, config: dict[str, Any], folder: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """Write config.json and model.safetensors in the published layout; `dtype`: the floating tensors' (None: as
+    they are), named in config.json's `torch_dtype`."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # the fused q/k/v and gate/up weights come out of state_dict() as views: give each key its own storage
-    state = {k: v.detach().cpu().clone() for k, v in head.state_dict().items()}
+    state = {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().clone()
+        for k, v in head.state_dict().items()
+    }
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     return folder

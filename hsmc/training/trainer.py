@@ -27,7 +27,7 @@ from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.runner import ModelRunner
 from hsmc.errors import ConfigError
 from hsmc.levels.base import padded_prompts
-from hsmc.models.loading import LoadedModel, load_model, read_hf_config, resolve_folder
+from hsmc.models.loading import DTYPES, LoadedModel, load_model, read_hf_config, resolve_folder
 from hsmc.ops.backend import TorchBackend
 from hsmc.prompts import Prompt, read_prompts_file
 from hsmc.training.ttt import TTTBatch, ttt_loss
@@ -59,6 +59,7 @@ class TrainEagleConfig:
     output_dir: str = "runs/eagle3"
     seed: int = 0
     generation_batch: int = 16
+    export_dtype: str = "float32"  # the exported head's weights: float32, bfloat16 (as heads are published), float16
 
 
 def load_train_config(source: str | Path | dict, overrides: list[str] | tuple[str, ...] = ()) -> TrainEagleConfig:
@@ -72,6 +73,8 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | tuple[st
     for key in (*positive, "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"train-eagle: {key} must be positive, got {getattr(cfg, key)}")
+    if cfg.export_dtype not in DTYPES:
+        raise ConfigError(f"train-eagle: export_dtype must be one of {', '.join(DTYPES)}, got {cfg.export_dtype!r}")
     return cfg
 
 
@@ -249,7 +252,8 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
     finally:
         bar.close()
         log.close()
-    export = save_eagle3_head(accelerator.unwrap_model(objective).head, head_cfg, out / "head")
+    head = accelerator.unwrap_model(objective).head
+    export = save_eagle3_head(head, head_cfg, out / "head", DTYPES[cfg.export_dtype])
     # a greedy chain keeps draft k while steps 0..k all agree: 1 + sum_k prod_{j<=k} top1_j tokens per verify
     estimate = 1 + sum(torch.tensor(accuracy[: k + 1]).prod().item() for k in range(len(accuracy)))
     accelerator.print(
