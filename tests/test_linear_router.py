@@ -218,6 +218,38 @@ def test_the_tuned_shapes_of_a_tensor_parallel_size_are_those_its_ranks_run():
     assert tuned["qwen3-8b lm_head tp2"] == (75968, 4096, True)  # vocabulary rows, padded up to a multiple of 2
 
 
+def test_the_sweep_records_a_one_row_plan_only_where_it_beats_the_default(monkeypatch):
+    """`_one_row_plans` with timings given: a plan is recorded for a shape only at most FASTER of the default's time,
+    the fastest one; a Linear without a prologue (o) is timed once per plan (fused or not is the same kernel there),
+    a down with SiLU·mul on [gate | up] and its residual, as the backend runs it."""
+    from hsmc.ops import tune_kernels
+
+    linears = {"qwen3-8b qkv tp4": (1536, 4096, True), "qwen3-8b o tp4": (4096, 1024, False),
+               "qwen3-8b down tp4": (4096, 3072, False)}  # fmt: skip
+    best = {1536: DecodeLinearPlan(4, 512, 4, 1, True), 4096: DecodeLinearPlan(8, 1024, 8, 1, False)}
+    timed: dict[int, list] = {}
+
+    def fake_time(bench, route, linear, inputs):
+        n, k = linear.weight.shape
+        timed.setdefault(k, []).append((route.one_row_plan, inputs))
+        if route.one_row_plan is None:
+            return 1.0
+        if route.one_row_plan == best.get(n):
+            return {4096: 0.9, 3072: 0.99}.get(k, 0.9)  # the down's best is within the noise of its default
+        return 1.5
+
+    monkeypatch.setattr(tune_kernels, "_time", fake_time)
+    dense = {name: nn.Linear(k, n, bias=False, device="meta") for name, (n, k, _) in linears.items()}
+    monkeypatch.setattr(tune_kernels, "_inputs", lambda rows, linear, norm, silu=False: {"norm": norm, "silu": silu})
+    plans = tune_kernels._one_row_plans(None, linears, dense)
+    assert plans == {(1536, 4096): best[1536]}  # o: 4096 x 1024 never met its `best` (fused False is not timed)
+    assert len(timed[1024]) == 1 + len(tune_kernels.ONE_ROW_CANDIDATES) // 2
+    assert all(plan is None or plan.fuse_prologue for plan, _ in timed[1024])
+    assert len(timed[4096]) == len(timed[3072]) == 1 + len(tune_kernels.ONE_ROW_CANDIDATES)
+    assert {(i["norm"], i["silu"]) for _, i in timed[3072]} == {(False, True)}
+    assert {(i["norm"], i["silu"]) for _, i in timed[4096]} == {(True, False)}
+
+
 def test_tune_kernels_refuses_a_tensor_parallel_size_the_heads_do_not_divide(capsys):
     assert main(["tune-kernels", "--tensor-parallel", "1,3"]) == 2
     assert capsys.readouterr().err == (
