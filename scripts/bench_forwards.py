@@ -11,8 +11,9 @@ profile-smc  the forwards of an SMC cycle by kernel (8B proposal step 8 x 1, 32B
 vocab        what follows a forward over the 151,936-entry vocabulary: a Gumbel-max draw for 8 rows and the float64
              log-sum-exps of a 72-row verify (`hsmc.ops.vocab`), against the torch route and the logits' read.
 tree-verify  issue 32: the 8B's verify over a draft tree's budget + 1 tokens (tree mask, positions by depth) and over
-             a chain of as many, at 1 and 4 rows, against the weight read; then the cost model's tok/s of [EAGLE3
-             head -> 8B] with a tree and with a chain of the same budget at the SmolLM2 head's measured acceptance.
+             a chain of as many, at 1, 4 and 8 rows, against the weight read; then the cost model's tok/s of [EAGLE3
+             head -> 8B] and of the hierarchical stack [EAGLE3 head -> 8B -> 32B SMC, N = 8, K = 8] with a tree and
+             with a chain of the same budget at the SmolLM2 head's measured acceptance.
 
     python scripts/bench_forwards.py [--parts verify,prefill,capture,profile,profile-smc,vocab,tree-verify]
         [--out DIR]
@@ -261,6 +262,7 @@ TREES = {8: (4, 3), 16: (5, 4), 32: (6, 6), 64: (7, 10)}  # budget -> (depth, to
 # Accepted tokens per verify (chain of γ = budget, the better tree rule) of the shipped SmolLM2 EAGLE3 head on 50 GSM8K
 # questions at T = 1, docs/measurements/2026-11-28-cpu-tree-acceptance-50q.txt (64: not measured)
 SMOLLM2_ACCEPTED = {8: (1.47, 1.57), 16: (1.47, 1.74), 32: (1.47, 1.78)}
+SMC_PARTICLES, SMC_BLOCK = 8, 8  # the hierarchical stack's SMC level: N particles (the 8B's rows), K tokens a cycle
 
 
 def random_tree(budget: int, depth: int, rows_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,28 +315,77 @@ def verify_times(report: Report, rows_n: int, context: int) -> dict[tuple[int, b
     return times
 
 
+def smc_verify_ms(report: Report, context: int) -> float:
+    """ms of the 32B's verify of the SMC level's N particles x K + 1 tokens after `context` (graph replays)."""
+    runner, tables = runner_of("qwen3-32b", SMC_PARTICLES, context + 128, graphs=False)
+    rows, n = torch.arange(SMC_PARTICLES, device="cuda"), SMC_BLOCK + 1
+    with torch.inference_mode():
+        prompt = torch.randint(0, 1000, (SMC_PARTICLES, context), device="cuda")
+        runner.forward(runner.new_tokens(rows, prompt, torch.full_like(rows, context), context), last_only=True)
+        tokens, count = torch.randint(0, 1000, (SMC_PARTICLES, n), device="cuda"), torch.full_like(rows, n)
+
+        def step() -> None:
+            runner.forward(runner.new_tokens(rows, tokens, count, context + n))
+            tables.rollback(rows, count, n)
+
+        step()
+        ms = triton.testing.do_bench_cudagraph(step)
+    read_ms = report.read_ms(weight_bytes(runner.module))
+    report.say(f"  32B verify of {SMC_PARTICLES} x {n} tokens: {ms:.3f} ms ({ms / read_ms:.2f}x the weight read "
+               f"{read_ms:.3f} ms)", part="smc-verify", ms=ms, weight_read_ms=read_ms)  # fmt: skip
+    return ms
+
+
+def round_ms(head: dict[int, float], verify_ms: dict[tuple[int, bool], float], budget: int) -> tuple[float, float]:
+    """(chain, tree) round of [EAGLE3 head -> 8B] at `budget`: the head's forward over the new pairs (~2), its
+    further draft steps (one token a row in a chain, the tree's `topk` a row), the verify."""
+    depth, topk = TREES[budget]
+    chain = head[2] + (budget - 1) * head[1] + verify_ms[budget, False]
+    return chain, head[2] + (depth - 1) * head[topk] + verify_ms[budget, True]
+
+
 def tree_verify(report: Report) -> None:
+    from hsmc.cost_model import LevelCost, predict
+
     report.say("== verify of a draft tree (budget + 1 tokens) and of a chain of as many, 8B shape, after 256 tokens ==")
     context, verify_ms = 256, {}
-    for rows_n in (1, 4):
+    for rows_n in (1, 4, SMC_PARTICLES):
         verify_ms[rows_n] = verify_times(report, rows_n, context)
         gc.collect()
         torch.cuda.empty_cache()
+    widths = sorted({1, 2, *(topk for _, topk in TREES.values())})
+    head = {rows_n: {w: head_ms(rows_n, w, context) for w in widths} for rows_n in verify_ms}
     report.say("== cost model: [EAGLE3 head -> 8B] rounds at the SmolLM2 head's acceptance (T = 1), tree vs chain ==")
     for rows_n in (1, 4):
-        widths = {1, 2, *(topk for _, topk in TREES.values())}
-        head = {w: head_ms(rows_n, w, context) for w in sorted(widths)}
         for budget, (chain_accepted, tree_accepted) in SMOLLM2_ACCEPTED.items():
             depth, topk = TREES[budget]
-            # a round: the head's forward over the new pairs (~2), its further draft steps, the verify
-            chain_ms = head[2] + (budget - 1) * head[1] + verify_ms[rows_n][budget, False]
-            tree_ms = head[2] + (depth - 1) * head[topk] + verify_ms[rows_n][budget, True]
+            chain_ms, tree_ms = round_ms(head[rows_n], verify_ms[rows_n], budget)
             chain_tok_s, tree_tok_s = 1e3 * chain_accepted / chain_ms, 1e3 * tree_accepted / tree_ms
             report.say(f"  {rows_n} row(s), budget {budget}: chain {chain_accepted:.2f}/round in {chain_ms:.2f} ms "
                        f"= {chain_tok_s:.1f} tok/s; tree ({depth}, {topk}) {tree_accepted:.2f}/round in "
                        f"{tree_ms:.2f} ms = {tree_tok_s:.1f} tok/s ({tree_tok_s / chain_tok_s:.2f}x)",
                        part="tree-cost", rows=rows_n, budget=budget, chain_round_ms=chain_ms, tree_round_ms=tree_ms,
                        chain_tok_s=chain_tok_s, tree_tok_s=tree_tok_s)  # fmt: skip
+    gc.collect()
+    torch.cuda.empty_cache()
+    report.say(
+        f"== cost model: the hierarchical stack [EAGLE3 head -> 8B -> 32B SMC, N = {SMC_PARTICLES}, K = "
+        f"{SMC_BLOCK}], one request, its blocks filled by tree or chain rounds at the same acceptance =="
+    )
+    smc = LevelCost("smc", smc_verify_ms(report, context), block_size=SMC_BLOCK, particles=SMC_PARTICLES)
+    for budget, accepted in SMOLLM2_ACCEPTED.items():
+        depth, topk = TREES[budget]
+        tok_s = {}
+        for (name, gamma), ms, length in zip(
+            (("chain", budget), ("tree", depth)),
+            round_ms(head[SMC_PARTICLES], verify_ms[SMC_PARTICLES], budget),
+            accepted,
+        ):
+            rejection = LevelCost("rejection", ms, gamma=gamma, accepted_length=length, round_includes_drafts=True)
+            tok_s[name] = predict([LevelCost("eagle3", head[SMC_PARTICLES][1]), rejection, smc]).tokens_per_s
+        report.say(f"  budget {budget}: chain {tok_s['chain']:.1f} tok/s, tree ({depth}, {topk}) {tok_s['tree']:.1f} "
+                   f"tok/s ({tok_s['tree'] / tok_s['chain']:.2f}x)", part="hierarchical-cost", budget=budget,
+                   **{f"{k}_tok_s": v for k, v in tok_s.items()})  # fmt: skip
 
 
 if __name__ == "__main__":
