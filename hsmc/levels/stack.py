@@ -33,8 +33,6 @@ from hsmc.models.shapes import SHAPES, random_loaded, random_shape
 from hsmc.ops.backend import Backend, TorchBackend
 from hsmc.ops.fp8_linear import Fp8Linear
 
-RoundTimes = tuple[tuple[int, tuple[float, ...]], ...]  # (rows, each arm's round ms) per batch size, as sent to ranks
-
 
 @dataclass
 class Stack:
@@ -97,7 +95,7 @@ class Stack:
         return self.top.draft_length if isinstance(self.top, RejectionLevel) else None
 
     @property
-    def mode(self) -> tuple[str, int | None, int, bool, RoundTimes | None]:
+    def mode(self) -> tuple[str, int | None, int, bool, dict[int, list[float]] | None]:
         """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
         capturing and a forced choice (`choice`: both set by the warmup or the draft shapes' timing), the
         statistics resets (a block fill's plans follow its acceptance counts), whether SMC cycles replay their
@@ -108,10 +106,9 @@ class Stack:
         replay = self.top.replay_cycles if self.is_smc else True
         times = choice.round_ms if isinstance(choice, DraftLength) else None
         forced = choice.forced if choice is not None else None
-        timed = None if times is None else tuple((rows, tuple(ms)) for rows, ms in sorted(times.items()))
-        return self.scope.capturing, forced, self.resets, replay, timed
+        return self.scope.capturing, forced, self.resets, replay, times
 
-    def set_mode(self, mode: tuple[str, int | None, int, bool, RoundTimes | None]) -> None:
+    def set_mode(self, mode: tuple[str, int | None, int, bool, dict[int, list[float]] | None]) -> None:
         capturing, forced, resets, replay, times = mode
         self.scope.capturing = capturing  # type: ignore[assignment]
         if self.is_smc:
@@ -119,8 +116,8 @@ class Stack:
         choice = self.choice
         if choice is not None:
             choice.forced = forced
-        if times is not None and choice.round_ms != (timed := {rows: list(ms) for rows, ms in times}):
-            choice.round_ms = timed  # rank 0's timing ended: it forgot what it read
+        if times is not None and choice.round_ms != times:  # rank 0's timing ended: it forgot what it read
+            choice.round_ms = {rows: list(ms) for rows, ms in times.items()}
             choice.forget()
         if resets != self.resets:
             self.reset_stats()
