@@ -101,9 +101,9 @@ class HierarchicalDecoder:
 
     def _time_rounds(self, level: RejectionLevel) -> None:
         """`num_draft_tokens: auto` / `tree: auto`: each arm's round time on this machine (a chain's γ, a tree), from
-        a synthetic request decoded with it (its run of one token, the prefill's, subtracted), the fastest of
-        TIMING_REPEATS timings after one untimed run (the first calls of a process are slower). With CUDA graphs
-        each shape is captured at its first run and a timing during which any graph was captured is taken again: a
+        a synthetic request decoded with it (the fastest run of one token, the prefill's, subtracted: one stalled
+        short run cannot make it negative), the fastest of TIMING_REPEATS timings after one untimed run (the first
+        calls of a process are slower). With CUDA graphs each shape is captured at its first run and a timing during which any graph was captured is taken again: a
         capture costs more than many rounds (on an H100 such timings came out negative). Timed at 1, 4, 16, ...
         requests and at as many as the rows (and the KV pools) hold: a round's time is flat while the weight read
         bounds it and grows with the rows once the arithmetic does, and the choice at a batch size between takes
@@ -124,21 +124,27 @@ class HierarchicalDecoder:
             self.generate([prompt], max_new_tokens=TIMING_ROUNDS * (choice.most + 1), ignore_eos=True)
             times: dict[int, list[float]] = {}
             for n, arm in ((n, arm) for n in sizes for arm in range(choice.arms)):
-                choice.forced, timed = arm, []
+                choice.forced, ones, longs, ms = arm, [], [], 0.0
                 for _ in range(TIMING_REPEATS + TIMING_RETRIES):
                     graphs, spans = scope.graphs_captured(), []
                     for tokens in (1, TIMING_ROUNDS * (choice.shape(arm)[0] + 1)):
                         began = time.perf_counter()
                         self.generate([prompt] * n, max_new_tokens=tokens, ignore_eos=True)
                         spans.append((time.perf_counter() - began, level.steps))
-                    (one, one_rounds), (all_, rounds) = spans
+                    (one, one_rounds), (long, rounds) = spans
                     if scope.graphs_captured() == graphs:
-                        timed.append((all_ - one) / max(rounds - one_rounds, 1))
-                    if len(timed) == TIMING_REPEATS:
+                        ones.append(one)
+                        longs.append((long, max(rounds - one_rounds, 1)))
+                    # each run's fastest: a stall in one short run must not make the difference negative
+                    ms = 1000 * min((long - min(ones)) / rounds for long, rounds in longs) if longs else 0.0
+                    if len(longs) >= TIMING_REPEATS and ms > 0:
                         break
-                if not timed:
-                    raise RuntimeError(f"draft shape auto: every timing of {choice.shape(arm)} captured a CUDA graph")
-                times.setdefault(n, []).append(1000 * min(timed))
+                if ms <= 0:
+                    raise RuntimeError(
+                        f"draft shape auto: no clean timing of {choice.shape(arm)} (each captured a CUDA graph or the"
+                        " machine stalled)"
+                    )
+                times.setdefault(n, []).append(ms)
                 bar.update()
         finally:
             scope.capturing, choice.forced = was, None
