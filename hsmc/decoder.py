@@ -103,11 +103,11 @@ class HierarchicalDecoder:
         """`num_draft_tokens: auto` / `tree: auto`: each arm's round time on this machine (a chain's γ, a tree), from
         a synthetic request decoded with it (the fastest run of one token, the prefill's, subtracted: one stalled
         short run cannot make it negative), the fastest of TIMING_REPEATS timings after one untimed run (the first
-        calls of a process are slower). With CUDA graphs each shape is captured at its first run and a timing during which any graph was captured is taken again: a
-        capture costs more than many rounds (on an H100 such timings came out negative). Timed at 1, 4, 16, ...
-        requests and at as many as the rows (and the KV pools) hold: a round's time is flat while the weight read
-        bounds it and grows with the rows once the arithmetic does, and the choice at a batch size between takes
-        the times linearly between its neighbours."""
+        calls of a process are slower). With CUDA graphs each shape is captured at its first run and a timing
+        during which any graph was captured is taken again: a capture costs more than many rounds (on an H100 such
+        timings came out negative). Timed at 1, 4, 16, ... requests and at as many as the rows (and the KV pools)
+        hold: a round's time is flat while the weight read bounds it and grows with the rows once the arithmetic
+        does, and the choice at a batch size between takes the times linearly between its neighbours."""
         from tqdm import tqdm
 
         choice, scope = level.draft_length, self.stack.scope

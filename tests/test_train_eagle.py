@@ -171,3 +171,44 @@ def test_training_unroll_equals_inference_drafting(tmp_path):
                     hidden, out = runner.forward(batch, embeds=embed(token), hidden=hidden)
                     logits = out[:, 0]
                 assert (logits - unrolled[k][:, t]).abs().max() < 1e-4, (t, k)
+
+
+def test_ttt_loss_is_the_decayed_soft_cross_entropy_of_each_step_at_each_scored_position(tmp_path):
+    """The loss and top-1 agreement, recomputed position by position from the unroll's logits: step k at index i
+    predicts x_{i+2+k} against softmax(verifier logits at position i+1+k, draft vocabulary), scored where that
+    position is a response token whose verifier argmax the draft vocabulary holds (short rows: steps past the end
+    score nothing)."""
+    from test_eagle_checkpoint import published_layout
+
+    from hsmc.training.ttt import TTTBatch, ttt_loss, ttt_unroll
+
+    folder, _ = published_layout(tmp_path / "h", dtype=torch.float32, seed=5)
+    head, _ = load_eagle3_head(str(folder))
+    h, vocab, length, steps, decay = head.config.hidden_size, head.config.vocab_size, 9, 4, 0.8
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(2, length, 3 * h, generator=g)
+    tokens = torch.randint(0, vocab, (2, length), generator=g)
+    embeds = torch.randn(2, length, h, generator=g)
+    logits = torch.randn(2, length, vocab, generator=g) * 3
+    mask = torch.rand(2, length, generator=g) < 0.8
+    mask[1, 5:] = False  # a short row
+    batch = TTTBatch(features, tokens, embeds, logits, mask)
+    with torch.no_grad():
+        out = ttt_loss(head, batch, steps, decay)
+        unrolled = ttt_unroll(head, features, embeds, steps)
+    total = 0.0
+    for k in range(steps):
+        ces, hits = [], 0
+        for b in range(2):
+            for i in range(length - 1 - k):
+                pos = i + 1 + k
+                if not (mask[b, pos] and head.t2d[logits[b, pos].argmax()]):
+                    continue
+                target = torch.log_softmax(logits[b, pos, head.t2d], -1)
+                logp = torch.log_softmax(unrolled[k][b, i], -1)
+                ces.append(-(target.exp() * logp).sum())
+                hits += int(logp.argmax() == target.argmax())
+        assert ces, k  # the draw scores something at every step
+        total += decay**k * float(sum(ces)) / len(ces)
+        assert out.accuracy[k] == pytest.approx(hits / len(ces)), k
+    assert float(out.loss) == pytest.approx(total, rel=1e-5)
