@@ -7,9 +7,10 @@ auto must never be slower than the target alone by more than the noise, and on a
 Target: SmolLM2-135M-Instruct (fp32). Drafters: its first 10 of 30 layers (a 1 : 3 self-draft) and the shipped
 EAGLE3 head. Each prompt is a chat-templated GSM8K question decoded alone; tok/s is the median of `--repeats`
 passes over the questions after a warm-up pass (auto's start-up timing is not counted: it happens in the
-constructor). Prints the device, the target-alone baseline, each setting's decode tok/s (the prefill's time
-subtracted) and end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length,
-mean γ, and both ratios to the baseline.
+constructor), the passes interleaved over the settings so that a drift of the machine's speed shifts all alike.
+Prints the device, the target-alone baseline, each setting's decode tok/s (the prefill's time subtracted) and
+end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length, mean γ, and both
+ratios to the baseline.
 """
 
 from __future__ import annotations
@@ -82,17 +83,24 @@ def main() -> None:
     gammas = [g if g in ("auto", "tree-auto") else int(g) for g in args.gammas]
     settings = [(None, 0)] + [(d, g) for d in args.drafters for g in gammas]
     for temperature in args.temperature:
-        base = base_whole = None
+        decoders = {}
         for drafter, gamma in settings:
-            decoder = HierarchicalDecoder.from_config(
+            decoders[drafter, gamma] = HierarchicalDecoder.from_config(
                 {"levels": _levels(drafter, gamma, temperature), "engine": {"max_batch_rows": 1, "device": args.device}}
             )
-            _pass(decoder, questions, args.new_tokens)  # warm-up
-            runs = [_pass(decoder, questions, args.new_tokens) for _ in range(args.repeats)]
-            tok_s = len(questions) * (args.new_tokens - 1) / statistics.median(r[1] for r in runs)
-            whole = len(questions) * args.new_tokens / statistics.median(r[0] for r in runs)
+            _pass(decoders[drafter, gamma], questions, args.new_tokens)  # warm-up
+        # passes interleaved over the settings: a drift of the machine's speed shifts every setting alike
+        runs: dict[tuple, list] = {setting: [] for setting in settings}
+        for _ in range(args.repeats):
+            for setting, decoder in decoders.items():
+                runs[setting].append(_pass(decoder, questions, args.new_tokens))
+        base = base_whole = None
+        for (drafter, gamma), decoder in decoders.items():
+            passes = runs[drafter, gamma]
+            tok_s = len(questions) * (args.new_tokens - 1) / statistics.median(r[1] for r in passes)
+            whole = len(questions) * args.new_tokens / statistics.median(r[0] for r in passes)
             base, base_whole = base or tok_s, base_whole or whole
-            stats = [s for r in runs for s in r[2]]
+            stats = [s for r in passes for s in r[2]]
             accepted = statistics.mean(s.get("mean_accepted_length", 1.0) for s in stats)
             mean_gamma = statistics.mean(s.get("mean_draft_tokens", gamma or 0) for s in stats)
             label = "-" if drafter is None else gamma
@@ -103,6 +111,7 @@ def main() -> None:
                 for rows, times in choice.round_ms.items():
                     print(f"     {gamma}'s round times at start, {rows} row(s) (ms, γ = 0..{choice.most}, then trees): "
                           + " ".join(f"{t:.1f}" for t in times), flush=True)  # fmt: skip
+            decoder.close()
 
 
 if __name__ == "__main__":
