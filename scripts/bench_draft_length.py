@@ -9,8 +9,9 @@ EAGLE3 head. Each prompt is a chat-templated GSM8K question decoded alone; tok/s
 passes over the questions after a warm-up pass (auto's start-up timing is not counted: it happens in the
 constructor), the passes interleaved over the settings so that a drift of the machine's speed shifts all alike.
 Prints the device, the target-alone baseline, each setting's decode tok/s (the prefill's time subtracted) and
-end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length, mean γ, and both
-ratios to the baseline.
+end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length, mean γ, both
+ratios to the baseline, and the noise: the range of each pass's decode ratio to the target alone's pass of the same
+round (for the target alone, of its passes against their median).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def main() -> None:
     print(f"device: {device}; SmolLM2-135M-Instruct fp32, batch 1, {len(questions)} GSM8K questions x "
           f"{args.new_tokens} new tokens, median of {args.repeats} passes")  # fmt: skip
     print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
-          f"{'accepted':>8} {'mean γ':>6}")  # fmt: skip
+          f"{'accepted':>8} {'mean γ':>6}  pass by pass (decode)")  # fmt: skip
     gammas = [g if g in ("auto", "tree-auto") else int(g) for g in args.gammas]
     settings = [(None, 0)] + [(d, g) for d in args.drafters for g in gammas]
     for temperature in args.temperature:
@@ -95,8 +96,15 @@ def main() -> None:
             for setting, decoder in decoders.items():
                 runs[setting].append(_pass(decoder, questions, args.new_tokens))
         base = base_whole = None
+        base_passes = [r[1] for r in runs[None, 0]]
         for (drafter, gamma), decoder in decoders.items():
             passes = runs[drafter, gamma]
+            # the noise: each pass against the target alone's pass of the same round (for the target alone itself,
+            # against its median)
+            if drafter is None:
+                paired = [statistics.median(base_passes) / b for b in base_passes]
+            else:
+                paired = [b / r[1] for b, r in zip(base_passes, passes)]
             tok_s = len(questions) * (args.new_tokens - 1) / statistics.median(r[1] for r in passes)
             whole = len(questions) * args.new_tokens / statistics.median(r[0] for r in passes)
             base, base_whole = base or tok_s, base_whole or whole
@@ -105,7 +113,8 @@ def main() -> None:
             mean_gamma = statistics.mean(s.get("mean_draft_tokens", gamma or 0) for s in stats)
             label = "-" if drafter is None else gamma
             print(f"{temperature:>4g} {drafter or 'none':>10} {label!s:>5} {tok_s:12.1f} {tok_s / base:7.2f}x "
-                  f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f}", flush=True)  # fmt: skip
+                  f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f}  "
+                  f"{min(paired):.2f}-{max(paired):.2f}x", flush=True)  # fmt: skip
             if drafter is not None and gamma in ("auto", "tree-auto"):
                 choice = decoder.stack.top.draft_length
                 for rows, times in choice.round_ms.items():
