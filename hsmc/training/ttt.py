@@ -83,7 +83,7 @@ def ttt_unroll(head: Eagle3Head, features: torch.Tensor, embeds: torch.Tensor, s
 def ttt_loss(head: Eagle3Head, batch: TTTBatch, steps: int = 7, decay: float = 0.8) -> TTTOutput:
     """Step k's prediction at index i (of x_{i+2+k}) is scored against the verifier at position i+1+k, which
     exists for i < T-1-k: the targets of every step are one tensor sliced, not gathered (on a 2-core CPU the
-    per-step gathers, exps and argmaxes over [B, T, draft] took a third of a training step)."""
+    per-step gathers, exps and argmaxes over [B, T, draft] took about a fifth of the loss's forward and backward)."""
     t = batch.features.shape[1]
     target_logp = torch.log_softmax(batch.target_logits.float()[..., head.t2d], -1)  # [B, T, draft]
     target_p, target_top = target_logp.exp(), target_logp.argmax(-1)
