@@ -131,12 +131,12 @@ class HierarchicalDecoder:
                         began = time.perf_counter()
                         self.generate([prompt] * n, max_new_tokens=tokens, ignore_eos=True)
                         spans.append((time.perf_counter() - began, level.steps))
-                    (one, one_rounds), (long, rounds) = spans
+                    (one, steps_before), (long, steps_after) = spans
                     if scope.graphs_captured() == graphs:
                         ones.append(one)
-                        longs.append((long, max(rounds - one_rounds, 1)))
+                        longs.append((long, max(steps_after - steps_before, 1)))
                     # each run's fastest: a stall in one short run must not make the difference negative
-                    ms = 1000 * min((long - min(ones)) / rounds for long, rounds in longs) if longs else 0.0
+                    ms = 1000 * min((t - min(ones)) / rounds for t, rounds in longs) if longs else 0.0
                     if len(longs) >= TIMING_REPEATS and ms > 0:
                         break
                 if ms <= 0:

@@ -127,10 +127,11 @@ def capture(report: Report) -> None:
                f"{seconds:.1f} s", part="capture", seconds=seconds)  # fmt: skip
 
 
-def forward_step(shape: str, rows_n: int, width: int, context: int, head: bool, graphs: bool):
+def forward_step(shape: str, rows_n: int, width: int, context: int, head: bool, graphs: bool, last_only: bool = True):
     """(module, step): `step()` runs one forward of `rows_n` rows x `width` new tokens after `context` tokens (prefilled
     here) of the random bf16 `shape` (or of a random EAGLE3 head for it), rolled back after each call; `graphs`: the
-    runner replays its own graphs (off: the caller captures `step` whole, as a graphed round holds its forwards)."""
+    runner replays its own graphs (off: the caller captures `step` whole, as a graphed round holds its forwards);
+    `last_only` False: the logits of every new token, as a verify."""
     from hsmc.eagle.checkpoint import random_eagle3_head
     from hsmc.models.shapes import SHAPES
 
@@ -152,7 +153,7 @@ def forward_step(shape: str, rows_n: int, width: int, context: int, head: bool, 
     step_inputs = inputs(width)
 
     def step():  # the same tokens again and again
-        runner.forward(runner.new_tokens(rows, tokens, full, context + width), True, **step_inputs)
+        runner.forward(runner.new_tokens(rows, tokens, full, context + width), last_only, **step_inputs)
         tables.rollback(rows, full, width)
 
     with torch.inference_mode():
@@ -317,20 +318,12 @@ def verify_times(report: Report, rows_n: int, context: int) -> dict[tuple[int, b
 
 def smc_verify_ms(report: Report, context: int) -> float:
     """ms of the 32B's verify of the SMC level's N particles x K + 1 tokens after `context` (graph replays)."""
-    runner, tables = runner_of("qwen3-32b", SMC_PARTICLES, context + 128, graphs=False)
-    rows, n = torch.arange(SMC_PARTICLES, device="cuda"), SMC_BLOCK + 1
+    n = SMC_BLOCK + 1
+    model, step = forward_step("qwen3-32b", SMC_PARTICLES, n, context, head=False, graphs=False, last_only=False)
     with torch.inference_mode():
-        prompt = torch.randint(0, 1000, (SMC_PARTICLES, context), device="cuda")
-        runner.forward(runner.new_tokens(rows, prompt, torch.full_like(rows, context), context), last_only=True)
-        tokens, count = torch.randint(0, 1000, (SMC_PARTICLES, n), device="cuda"), torch.full_like(rows, n)
-
-        def step() -> None:
-            runner.forward(runner.new_tokens(rows, tokens, count, context + n))
-            tables.rollback(rows, count, n)
-
         step()
         ms = triton.testing.do_bench_cudagraph(step)
-    read_ms = report.read_ms(weight_bytes(runner.module))
+    read_ms = report.read_ms(weight_bytes(model))
     report.say(f"  32B verify of {SMC_PARTICLES} x {n} tokens: {ms:.3f} ms ({ms / read_ms:.2f}x the weight read "
                f"{read_ms:.3f} ms)", part="smc-verify", ms=ms, weight_read_ms=read_ms)  # fmt: skip
     return ms
