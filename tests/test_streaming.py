@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import make_tiny_model, save_tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
@@ -102,6 +103,42 @@ def test_text_stream_holds_back_what_a_later_token_can_change():
         assert (text.replace(" .", ".")).startswith(shown)
     assert shown == "Hi. STx"  # " " waited for "." (cleaned up to "."), "S"/"ST" waited as a stop string's start
     assert stream.finish([ord(c) for c in "Hi . STxy STOP"]) == "y "  # trimmed at the stop string
+
+
+class _CountingTokenizer:
+    """A real tokenizer's decode, counting the tokens it is given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("vocab", ["bytes", "smollm2"])
+def test_text_stream_decodes_only_new_tokens_and_keeps_the_text_of_all(byte_models, smollm2_dir, vocab):
+    """Random tokens (broken UTF-8 from byte tokens, SmolLM2's merges and special tokens), 1-4 a step: at every
+    update the text so far is exactly the decode of all tokens read so far, what was shown is a prefix of the final
+    text, and a step decodes a few tokens, not all of them (all of them each step: ~n²/2 = 125,000 tokens here)."""
+    from transformers import AutoTokenizer
+
+    from hsmc.stopping import StopCriteria
+
+    tokenizer = AutoTokenizer.from_pretrained(byte_models[1] if vocab == "bytes" else smollm2_dir)
+    counting = _CountingTokenizer(tokenizer)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, len(tokenizer), (500,), generator=generator).tolist()
+    stream, shown, read = TextStream(counting, StopCriteria(frozenset(), ())), "", 0
+    steps = torch.randint(1, 5, (500,), generator=generator).tolist()
+    while read < len(tokens):
+        read = min(len(tokens), read + steps.pop())
+        shown += stream.update(tokens[:read])
+        assert stream.decoded == tokenizer.decode(tokens[: stream.read], skip_special_tokens=True)
+        assert tokenizer.decode(tokens[:read], skip_special_tokens=True).startswith(shown)
+    assert counting.decoded < 20 * len(tokens)
+    shown += stream.finish(tokens)
+    assert shown == tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def test_common_prefix_length():
