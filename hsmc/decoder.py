@@ -42,6 +42,7 @@ WARMUP_PROMPTS = (8, 24, 64, 128, 256, 512, 1024)  # prompt lengths whose prefil
 TIMING_ROUNDS = 4  # a chosen draft shape (auto) times each arm over about this many rounds of a synthetic request ...
 TIMING_REPEATS = 2  # ... this many times, keeping the fastest ...
 TIMING_RETRIES = 4  # ... of timings without a graph capture (at most this many more tries)
+CATCH_UP_TOKENS = 32  # a drafter's catch-up is timed from prompts this many tokens longer (`_catch_up_ms`)
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -107,16 +108,18 @@ class HierarchicalDecoder:
         during which any graph was captured is taken again: a capture costs more than many rounds (on an H100 such
         timings came out negative). Timed at 1, 4, 16, ... requests and at as many as the rows (and the KV pools)
         hold: a round's time is flat while the weight read bounds it and grows with the rows once the arithmetic
-        does, and the choice at a batch size between takes the times linearly between its neighbours."""
+        does, and the choice at a batch size between takes the times linearly between its neighbours. Then, per batch
+        size, the drafters' catch-up on a round without drafts (`_catch_up_ms`), which a probe pays."""
         from tqdm import tqdm
 
         choice, scope = level.draft_length, self.stack.scope
         prompt = [t % self.vocab_size for t in range(1, 17)]
-        longest = len(prompt) + TIMING_ROUNDS * (max(choice.shape(arm)[0] for arm in range(choice.arms)) + 1)
+        longest = len(prompt) + max(TIMING_ROUNDS * (max(choice.shape(arm)[0] for arm in range(choice.arms)) + 1),
+                                    CATCH_UP_TOKENS + 1)  # fmt: skip
         fit = self.stack.capacity // (longest + self.stack.lookahead)  # requests the KV pools hold at once
         full = max(1, min(self.stack.max_rows // self.stack.rows_per_prompt, fit))
         sizes = sorted({1, full, *(4**k for k in range(1, full.bit_length()) if 2 * 4**k <= full)})
-        bar = tqdm(total=choice.arms * len(sizes), desc="draft shape: auto, timing rounds", unit="shape",
+        bar = tqdm(total=(choice.arms + 1) * len(sizes), desc="draft shape: auto, timing rounds", unit="shape",
                    file=sys.stderr)  # fmt: skip
         was, scope.capturing = scope.capturing, "every"
         try:
@@ -146,11 +149,29 @@ class HierarchicalDecoder:
                     )
                 times.setdefault(n, []).append(ms)
                 bar.update()
+            choice.forced, catch_up = 0, {}
+            for n in sizes:
+                catch_up[n] = self._catch_up_ms(prompt, n)
+                bar.update()
         finally:
             scope.capturing, choice.forced = was, None
             bar.close()
-        choice.round_ms = times
+        choice.round_ms, choice.catch_up_ms = times, catch_up
         choice.forget()
+
+    def _catch_up_ms(self, prompt: list[int], n: int) -> float:
+        """The drafters' forward time per token each of `n` rows leaves them in a round of γ = 0, in ms: a drafter
+        processes those tokens at its next draft, as it processes a prompt, so it is timed from prefills of
+        prompts CATCH_UP_TOKENS longer (the levels below the top alone, each the fastest of TIMING_REPEATS + 1)."""
+        below = self.stack.levels[:-1]
+        seconds = []
+        for tokens in (prompt, prompt + prompt[:1] * CATCH_UP_TOKENS):
+            runs = []
+            for _ in range(TIMING_REPEATS + 1):
+                self.generate([tokens] * n, max_new_tokens=1, ignore_eos=True)
+                runs.append(sum(level.stats()["forward_seconds"] for level in below))
+            seconds.append(min(runs))
+        return max(0.0, 1000 * (seconds[1] - seconds[0]) / CATCH_UP_TOKENS)
 
     @classmethod
     def from_config(cls, source: str | Path | DictConfig | dict, overrides: Sequence[str] = ()) -> HierarchicalDecoder:

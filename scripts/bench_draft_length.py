@@ -118,8 +118,12 @@ def main() -> None:
             if drafter is not None and gamma in ("auto", "tree-auto"):
                 choice = decoder.stack.top.draft_length
                 for rows, times in choice.round_ms.items():
+                    every = choice.probe_every(rows)
+                    probes = "never" if every is None else f"every {every} rounds"
                     print(f"     {gamma}'s round times at start, {rows} row(s) (ms, γ = 0..{choice.most}, then trees): "
-                          + " ".join(f"{t:.1f}" for t in times), flush=True)  # fmt: skip
+                          + " ".join(f"{t:.1f}" for t in times)
+                          + f"; the drafters' catch-up {choice.catch_up(rows):.2f} ms a round; a probe {probes}",
+                          flush=True)  # fmt: skip
             decoder.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 from unittest import mock
@@ -134,6 +135,27 @@ def test_costly_drafts_are_never_chosen_when_no_length_pays_for_itself():
     assert picks.count(0) == 4 * 46 - 4 and picks.count(1) == 4
 
 
+def test_probes_pay_for_the_drafters_catch_up_and_stop_where_it_alone_exceeds_their_share():
+    """The 1 : 3 self-draft on 2 CPU cores (2026-11-28-cpu-self-draft-auto-interleaved.txt): a γ = 1 round costs 36 ms
+    more than the target's 70 ms, and the drafter's catch-up on each round it sat out ~2.1 ms more (3 % of a round).
+    A probe's extra time over W rounds is 36 + W·c: the interval grows until that is PROBE_SHARE of W rounds, and
+    where c alone exceeds the share no interval does it, so the target runs alone (auto measured 0.95x before)."""
+    choice = DraftLength(8)
+    choice.round_ms = {1: [70.0 + 36.0 * g for g in range(9)], 16: [300.0 + 100.0 * g for g in range(9)]}
+    choice.kept, choice.rejected = 10.0, 990.0  # α ≈ 0.01: no γ pays for itself
+    assert choice.probe_every(1) == math.ceil(36.0 / (PROBE_SHARE * 70.0)) == 26
+    choice.catch_up_ms = {1: 0.7, 16: 11.2}
+    every = choice.probe_every(1)
+    assert every == math.ceil(36.0 / (PROBE_SHARE * 70.0 - 0.7)) == 52
+    assert (36.0 + every * 0.7) / (every * 70.0) <= PROBE_SHARE  # the probes' share, their catch-up included
+    picks = [choice.choose(1) for _ in range(3 * every)]
+    assert picks.count(1) == 3 and picks.count(0) == 3 * every - 3
+    assert choice.catch_up(4) == pytest.approx(0.7 + (11.2 - 0.7) * 3 / 15)  # between the batch sizes timed
+    choice.catch_up_ms = {1: 2.1, 16: 3.0}  # 16 rows: rounds of 300 ms, whose catch-up is within their share
+    assert choice.probe_every(1) is None and choice.probe_every(16) == math.ceil(100.0 / (PROBE_SHARE * 300.0 - 3.0))
+    assert set(choice.choose(1) for _ in range(1000)) == {0}
+
+
 def test_a_tree_is_tried_on_its_prediction_and_then_judged_by_its_own_rounds():
     """With tree: auto a tree's yield is predicted as a chain of its depth keeping one of `topk` children a step;
     at α = 0.6 that makes the (4, 3, 8) tree the best arm. Rounds of it that keep nothing scale its prediction down
@@ -186,6 +208,7 @@ def test_start_times_every_gamma_and_a_longer_round_costs_more(pair):  # noqa: F
     longest = 16 + TIMING_ROUNDS * (AUTO_MOST_DRAFTS + 1) + decoder.stack.lookahead  # a timing request's tokens
     full = 600 // longest
     assert 8 <= full < 16 and set(choice.round_ms) == {1, 4, full}  # 1, 4, ... requests and what the KV pools hold
+    assert set(choice.catch_up_ms) == set(choice.round_ms)  # and the drafter's catch-up at each
     for ms in choice.round_ms.values():
         assert len(ms) == AUTO_MOST_DRAFTS + 1 and min(ms) > 0 and ms[AUTO_MOST_DRAFTS] > ms[0]
     assert (choice.kept, choice.rejected, choice.forced) == (1.0, 1.0, None)

@@ -10,9 +10,12 @@ so the choice follows acceptance as it drifts. A tree's yield is predicted as a 
 keeps one of `topk` children, 1 - (1 - α)^topk (optimistic: siblings are not independent), times what its own rounds
 yielded over what that predicted for them (discounted alike), so a tree is tried and then judged by its rounds.
 While γ = 0 wins, nothing is observed: now and then a round drafts anyway (γ = 1, the cheapest), as seldom as keeps
-those probes' extra time under PROBE_SHARE of the time, so that better acceptance is noticed. The choice only ever
-depends on rounds already read, never on the round it is for, so every round is an ordinary speculative-sampling
-round and the output stays an exact sample of the verifier's law.
+those probes' extra time under PROBE_SHARE of the time, so that better acceptance is noticed. A probe's extra time
+counts the drafters' catch-up (`catch_up_ms`, also measured at start): the tokens of the rounds they sat out are
+processed at the probe, a cost per token however rare the probes. Where that cost alone exceeds PROBE_SHARE of a
+round (a 1 : 3 `model` self-draft on a CPU: ~3 %), no probe interval pays and γ = 0 stays until the next timing.
+The choice only ever depends on rounds already read, never on the round it is for, so every round is an ordinary
+speculative-sampling round and the output stays an exact sample of the verifier's law.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import math
 from collections.abc import Sequence
 
 from hsmc.levels.tree import TreeShape
+
+RoundTimes = tuple[dict[int, list[float]], dict[int, float]]  # `round_ms` and `catch_up_ms`, as ranks share them
 
 DECAY = 0.97  # weight of an observation after each later row-round: ~33 row-rounds' memory
 PROBE_SHARE = 0.02  # most share of the time that rounds drafting against the choice (to observe acceptance) take
@@ -43,6 +48,8 @@ class DraftLength:
         self.most, self.trees = most, tuple(trees)
         # per batch size timed (rows), each arm's round time (γ in 0..most, then each tree); None until timed
         self.round_ms: dict[int, list[float]] | None = None
+        # per batch size timed: the drafters' forward time per round of γ = 0, paid when they next draft
+        self.catch_up_ms: dict[int, float] = {}
         self.forced: int | None = None  # the arm every round takes while the rounds are timed
         self.forget()
 
@@ -73,14 +80,12 @@ class DraftLength:
     def ms(self, arm: int, rows: int) -> float:
         """An arm's round time at `rows` rows: linear between the nearest batch sizes timed (the nearest one's
         outside them)."""
-        times = self.round_ms
-        assert times is not None
-        below = max((n for n in times if n <= rows), default=min(times))
-        above = min((n for n in times if n >= rows), default=max(times))
-        if below == above:
-            return times[below][arm]
-        share = (rows - below) / (above - below)
-        return (1 - share) * times[below][arm] + share * times[above][arm]
+        assert self.round_ms is not None
+        return _between({n: ms[arm] for n, ms in self.round_ms.items()}, rows)
+
+    def catch_up(self, rows: int) -> float:
+        """The drafters' later catch-up on one round of γ = 0 at `rows` rows, in ms (0 where not timed)."""
+        return _between(self.catch_up_ms, rows) if self.catch_up_ms else 0.0
 
     def choose(self, rows: int) -> int:
         """The arm of the next round of `rows` rows."""
@@ -91,16 +96,24 @@ class DraftLength:
         best = max(range(self.arms), key=lambda arm: self.expected(arm) / self.ms(arm, rows))
         if best:
             return best
+        every = self.probe_every(rows)
+        if every is None:
+            return 0
         self.waited += 1
-        if self.waited < self.probe_every(rows):
+        if self.waited < every:
             return 0
         self.waited = 0
         return 1
 
-    def probe_every(self, rows: int) -> int:
-        """Rounds of the target alone per probe: a probe's extra time is at most PROBE_SHARE of theirs."""
+    def probe_every(self, rows: int) -> int | None:
+        """Rounds of the target alone per probe, so that a probe's extra time, with the drafters' catch-up on those
+        rounds, is at most PROBE_SHARE of theirs: W rounds cost W·t0, a probe e + W·c, so W >= e / (s·t0 - c).
+        None (never probe) where the catch-up alone, c >= s·t0, takes more than the share."""
         extra = self.ms(1, rows) - self.ms(0, rows)
-        return max(1, math.ceil(extra / (PROBE_SHARE * self.ms(0, rows))))
+        room = PROBE_SHARE * self.ms(0, rows) - self.catch_up(rows)
+        if room <= 0:
+            return None
+        return max(1, math.ceil(extra / room))
 
     def observe(self, arm: int, accepted: list[int]) -> None:
         """One round read: each row kept `accepted` of its arm's drafts (a chain's row that stopped short rejected
@@ -121,3 +134,13 @@ class DraftLength:
         self.kept, self.rejected = PRIOR
         self.tree_rounds = [(0.0, 0.0) for _ in self.trees]  # per tree: tokens yielded, tokens predicted (discounted)
         self.waited = 0  # rounds at γ = 0 since the last drafting one
+
+
+def _between(times: dict[int, float], rows: int) -> float:
+    """A time measured at some batch sizes, at `rows`: linear between the nearest ones, the nearest one's outside."""
+    below = max((n for n in times if n <= rows), default=min(times))
+    above = min((n for n in times if n >= rows), default=max(times))
+    if below == above:
+        return times[below]
+    share = (rows - below) / (above - below)
+    return (1 - share) * times[below] + share * times[above]

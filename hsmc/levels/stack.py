@@ -21,7 +21,7 @@ from hsmc.engine.scheduler import lookahead_tokens
 from hsmc.engine.tops import Group
 from hsmc.errors import ConfigError
 from hsmc.levels.base import Level, SequenceState
-from hsmc.levels.draft_length import DraftLength
+from hsmc.levels.draft_length import DraftLength, RoundTimes
 from hsmc.levels.eagle3 import Eagle3Level
 from hsmc.levels.model import ModelLevel
 from hsmc.levels.rejection import RejectionLevel
@@ -95,20 +95,22 @@ class Stack:
         return self.top.draft_length if isinstance(self.top, RejectionLevel) else None
 
     @property
-    def mode(self) -> tuple[str, int | None, int, bool, dict[int, list[float]] | None]:
+    def mode(self) -> tuple[str, int | None, int, bool, RoundTimes | None]:
         """What the host sets on the stack, besides requests, that changes its device work: the graph scope's
         capturing and a forced choice (`choice`: both set by the warmup or the draft shapes' timing), the
         statistics resets (a block fill's plans follow its acceptance counts), whether SMC cycles replay their
-        graphs (`hsmc bench` times them op by op too) and the draft shapes' round times (rank 0 times them; the
-        choice follows them and the reads, which every rank makes alike). Tensor-parallel ranks share it, so they
-        run the same forwards and collectives."""
+        graphs (`hsmc bench` times them op by op too) and the draft shapes' round and catch-up times (rank 0 times
+        them; the choice follows them and the reads, which every rank makes alike). Tensor-parallel ranks share it,
+        so they run the same forwards and collectives."""
         choice = self.choice
         replay = self.top.replay_cycles if self.is_smc else True
-        times = choice.round_ms if isinstance(choice, DraftLength) else None
+        times = None
+        if isinstance(choice, DraftLength) and choice.round_ms is not None:
+            times = (choice.round_ms, choice.catch_up_ms)
         forced = choice.forced if choice is not None else None
         return self.scope.capturing, forced, self.resets, replay, times
 
-    def set_mode(self, mode: tuple[str, int | None, int, bool, dict[int, list[float]] | None]) -> None:
+    def set_mode(self, mode: tuple[str, int | None, int, bool, RoundTimes | None]) -> None:
         capturing, forced, resets, replay, times = mode
         self.scope.capturing = capturing  # type: ignore[assignment]
         if self.is_smc:
@@ -116,8 +118,9 @@ class Stack:
         choice = self.choice
         if choice is not None:
             choice.forced = forced
-        if times is not None and choice.round_ms != times:  # rank 0's timing ended: it forgot what it read
-            choice.round_ms = {rows: list(ms) for rows, ms in times.items()}
+        if times is not None and (choice.round_ms, choice.catch_up_ms) != times:  # rank 0's timing ended: it forgot
+            choice.round_ms = {rows: list(ms) for rows, ms in times[0].items()}  # what it read
+            choice.catch_up_ms = dict(times[1])
             choice.forget()
         if resets != self.resets:
             self.reset_stats()
