@@ -25,7 +25,9 @@ from hsmc.decoder import HierarchicalDecoder
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_TEST = ROOT / "evals" / "data" / "gsm8k_test.jsonl"
 HEAD = ROOT / "assets" / "eagle3-smollm2-135m-instruct"
-SHAPES = {8: (4, 3), 16: (5, 4), 32: (6, 6)}  # budget -> (depth, topk)
+# budget -> (depth, topk): the best draft_aware shape of a 12-question sweep at T = 1 with the shipped head
+# (docs/measurements/2026-11-28-cpu-tree-shape-sweep.txt); the head's top-1 stays ~0.75 to depth 7, so deep trees pay
+SHAPES = {8: (5, 3), 16: (8, 3), 32: (12, 3)}
 
 
 def drafting(

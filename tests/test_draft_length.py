@@ -136,10 +136,10 @@ def test_costly_drafts_are_never_chosen_when_no_length_pays_for_itself():
 
 
 def test_probes_pay_for_the_drafters_catch_up_and_stop_where_it_alone_exceeds_their_share():
-    """The 1 : 3 self-draft on 2 CPU cores (2026-11-28-cpu-self-draft-auto-interleaved.txt): a γ = 1 round costs 36 ms
-    more than the target's 70 ms, and the drafter's catch-up on each round it sat out ~2.1 ms more (3 % of a round).
-    A probe's extra time over W rounds is 36 + W·c: the interval grows until that is PROBE_SHARE of W rounds, and
-    where c alone exceeds the share no interval does it, so the target runs alone (auto measured 0.95x before)."""
+    """Round times of the 1 : 3 self-draft on 2 CPU cores (a γ = 1 round costs 36 ms more than the target's 70 ms)
+    and a drafter's catch-up c per round it sat out: a probe's extra time over W rounds is 36 + W·c, so the interval
+    grows until that is PROBE_SHARE of W rounds, and where c alone exceeds the share no interval does it and the
+    target runs alone."""
     choice = DraftLength(8)
     choice.round_ms = {1: [70.0 + 36.0 * g for g in range(9)], 16: [300.0 + 100.0 * g for g in range(9)]}
     choice.kept, choice.rejected = 10.0, 990.0  # α ≈ 0.01: no γ pays for itself

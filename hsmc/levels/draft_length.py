@@ -13,7 +13,7 @@ While γ = 0 wins, nothing is observed: now and then a round drafts anyway (γ =
 those probes' extra time under PROBE_SHARE of the time, so that better acceptance is noticed. A probe's extra time
 counts the drafters' catch-up (`catch_up_ms`, also measured at start): the tokens of the rounds they sat out are
 processed at the probe, a cost per token however rare the probes. Where that cost alone exceeds PROBE_SHARE of a
-round (a 1 : 3 `model` self-draft on a CPU: ~3 %), no probe interval pays and γ = 0 stays until the next timing.
+round, no probe interval pays and γ = 0 stays until the next timing.
 The choice only ever depends on rounds already read, never on the round it is for, so every round is an ordinary
 speculative-sampling round and the output stays an exact sample of the verifier's law.
 """
