@@ -5,7 +5,8 @@
 Stacks (SmolLM2-135M-Instruct, T = 0.7, the demo's prompts): the target alone; draft-model SD
 (layer-truncated draft, lossless rejection); SMC-SD (draft proposes, smc reweights N=4, K=4);
 the demo config; and with --head, an EAGLE3 head under rejection, with and without an smc level
-on top. The target-alone row is the baseline of the ratio column.
+on top, and under rejection with `num_draft_tokens: auto` (the cost model picks γ, or none, from the forward times it
+measures at start). The target-alone row is the baseline of the ratio column.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
         eagle = {"kind": "eagle3", "model": args.head, "temperature": 0.7}
         rejection = {**target, "kind": "rejection", "num_draft_tokens": 4}
         stacks["eagle3 -> rejection"] = [eagle, rejection]
+        stacks["eagle3 -> rejection, gamma auto"] = [eagle, {**rejection, "num_draft_tokens": "auto"}]
         stacks["eagle3 -> rejection -> smc a=2"] = [
             eagle,
             rejection,
