@@ -57,21 +57,17 @@ def _scheduled(decoder: HierarchicalDecoder, picks: list[int]) -> list[int]:
     return taken
 
 
-def _graphed_auto_stack(models, monkeypatch, drafter: str = "model", **options) -> HierarchicalDecoder:
-    """A greedy [drafter, rejection auto] stack of the (draft, target) `models` (`drafter` eagle3: (verifier,
-    head)) whose rounds are graphed units as on CUDA, their captures emulated on the CPU (an emulated graph replays
-    by running the round again)."""
+def _graphed_auto_stack(models, monkeypatch, **options) -> HierarchicalDecoder:
+    """A greedy [model drafter, rejection auto] stack of the (draft, target) `models` whose rounds are graphed
+    units as on CUDA, their captures emulated on the CPU (an emulated graph replays by running the round again)."""
     from test_round_graphs import _emulated_capture
 
     from hsmc.engine.graphs import Graphs
     from hsmc.levels.rejection import _bare_round_fields
 
     monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
-    if drafter == "eagle3":
-        target, draft = models
-    else:
-        draft, target = models
-    decoder = _auto_stack({"kind": drafter, "model": str(draft)}, target, 0.0, timed=False, **options)
+    draft, target = models
+    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, timed=False, **options)
     level, scope = decoder.stack.top, decoder.stack.scope
     host, whole = level.graph_parts().host, level.state.timer.whole
     level.rounds = Graphs(level._kept, scope, host, whole)
@@ -241,57 +237,6 @@ def test_greedy_output_is_the_verifiers_whatever_shape_each_round_takes(pair, ve
     assert_pools_empty(decoder)
 
 
-def _eagle_rounds(verifier, head, picks: list[int], every_round: bool = False) -> tuple[list, list[int], int, int]:
-    """Greedy decode of two prompts by [eagle3 head, rejection auto] with γ forced from `picks`: the drafts of every
-    draft (as lists), the pairs left waiting after each round, the head's forwards and its `max_pending`.
-    `every_round`: the head processes the pairs of a round without drafts at once (what it did before)."""
-    decoder = _auto_stack({"kind": "eagle3", "model": str(head)}, verifier, 0.0, timed=False)
-    level, eagle = decoder.stack.top, decoder.stack.levels[0]
-    _scheduled(decoder, picks)
-    drafts, waiting = [], []
-    propose, step, accept = eagle.propose, level.step, eagle.accept
-
-    def record_drafts(rows, k, at_most=False):
-        proposal = propose(rows, k, at_most)
-        drafts.append(proposal.tokens.tolist())
-        return proposal
-
-    def record_waiting(rows):
-        emission = step(rows)
-        waiting.append(eagle.pending_bound)
-        return emission
-
-    def accept_now(*args, **kwargs):
-        accept(*args, **kwargs)
-        eagle._catch_up(args[0])
-
-    eagle.propose, level.step = record_drafts, record_waiting
-    if every_round:
-        eagle.accept = accept_now
-    prompts = [[5, 9, 13], [7] * 11]
-    results = decoder.generate(prompts, max_new_tokens=60, ignore_eos=True)
-    for prompt, result in zip(prompts, results):
-        assert result.token_ids == _hf_greedy(verifier, prompt, 60)
-    assert_pools_empty(decoder)
-    return drafts, waiting, results[0].stats["levels"][0]["forwards"], eagle.max_pending
-
-
-def test_an_eagle3_head_sits_out_rounds_without_drafts_and_drafts_as_if_it_had_not(verifier_and_head):  # noqa: F811
-    """In a round of γ = 0 the head only stores the verifier's features and processes those pairs at its next draft:
-    its drafts equal those of a twin that processes them every round (as it did before), with fewer forwards; a
-    streak of γ = 0 longer than the pairs it may leave waiting (`max_pending`, within its feature window) is cut by
-    a round that drafts; the greedy tokens stay the verifier's throughout."""
-    verifier, head = verifier_and_head
-    picks = [0, 0, 0, 2, 0, 3] + [0] * 9 + [1]
-    drafts, waiting, forwards, most = _eagle_rounds(verifier, head, picks)
-    twin_drafts, twin_waiting, twin_forwards, _ = _eagle_rounds(verifier, head, picks, every_round=True)
-    assert drafts == twin_drafts and len(drafts) >= 8
-    assert max(twin_waiting) == 0 and 9 <= max(waiting) < most
-    assert forwards < twin_forwards
-    _, waiting, _, most = _eagle_rounds(verifier, head, [0] * 40 + [1])
-    assert max(waiting) == most  # reached, and a drafting round came next
-
-
 @pytest.mark.parametrize("drafter,tree", [("model", None), ("eagle3", None), ("model", "auto")])
 def test_lossless_in_distribution_whatever_shape_each_round_takes(small_vocab_pair, small_vocab, drafter, tree):  # noqa: F811
     """T = 1, 20 000 samples of 3 tokens with γ changing every round (0..8; with tree: auto, the two smaller draft
@@ -362,24 +307,6 @@ def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind
     # one shape before the first probe and one after (the drafter's last proposal: none, then 1), each captured
     # once it recurs
     assert level.bare_rounds.replays >= bare - 2 * CAPTURE_AFTER, (level.bare_rounds.replays, bare)
-    assert_pools_empty(decoder)
-
-
-def test_an_eagle3_heads_probes_after_streaks_recur_as_one_graph(verifier_and_head, monkeypatch):  # noqa: F811
-    """An EAGLE3 head's pairs left by rounds of γ = 0 are a key of the next drafting round's graph: its bound is
-    taken to `max_pending` before such a round, so every probe after a streak (of any length) is one shape,
-    captured once it recurs and replayed (units and captures emulated), and the greedy tokens stay the verifier's."""
-    from hsmc.engine.graphs import CAPTURE_AFTER
-
-    decoder = _graphed_auto_stack(verifier_and_head, monkeypatch, drafter="eagle3")
-    level = decoder.stack.top
-    taken = _scheduled(decoder, [0] * 2 + [1] + [0] * 5 + [1] + [0] * 9 + [1])
-    prompt = [5, 9, 13]
-    (result,) = decoder.generate([prompt], max_new_tokens=150, ignore_eos=True)
-    assert result.token_ids == _hf_greedy(verifier_and_head[0], prompt, 150)
-    probes = taken.count(1)
-    assert probes >= 12 and level.rounds.replays >= probes - CAPTURE_AFTER - 1, (level.rounds.replays, probes)
-    assert level.bare_rounds.replays > 0
     assert_pools_empty(decoder)
 
 

@@ -35,7 +35,6 @@ and both models' rollback — is a graphed unit (`Graphs`: one CUDA graph per sh
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -178,8 +177,6 @@ class RejectionLevel:
         choice = None
         if self.draft_length is not None:
             choice = self.draft_length.choose(rows.shape[0])
-            if choice == 0 and _backlog_full(self.waiting):
-                choice = 1  # the drafter may leave no more tokens waiting (an EAGLE3 head's feature window)
             self._take(*self.draft_length.shape(choice))
             self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
         base = self.state.seq_len[rows]
@@ -419,11 +416,6 @@ def _waiting(drafter: Level) -> list[HostField]:
     return [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
 
 
-def _backlog_full(waiting: list[HostField]) -> bool:
-    """Whether a drafter with a limit on the tokens it leaves waiting (`max_pending`) has reached it."""
-    return any(getattr(f.owner, f.name) >= getattr(f.owner, "max_pending", math.inf) for f in waiting)
-
-
 def _bare_round_fields(host: list[HostField], waiting: list[HostField]) -> list[HostField]:
     """The host ints of a round of γ = 0: the drafter does not run, so the tokens waiting for its next forward
     (`waiting`) only grow (one per round). As a key they would make every such round a new shape, none ever captured
@@ -436,14 +428,10 @@ def _loosen(waiting: list[HostField]) -> None:
     as the round graph's key would make each such round (a probe of the choice) a new shape, run eagerly with its
     catch-up forward (that forward alone took 6-16 ms on an H200, a graphed SmolLM2 round ~1 ms). A bound may be
     loose: rounded up to a power of two it recurs and the round is captured, its catch-up padded to the bound.
-    Bounds of 1 and 2 (after rounds with drafts) stay. A drafter whose backlog has a limit (`max_pending`: an EAGLE3
-    head, whose bound is 0 after rounds with drafts) takes the limit, one shape for every probe."""
+    Bounds of 1 and 2 (after rounds with drafts) stay."""
     for field in waiting:
         bound = getattr(field.owner, field.name)
-        most = getattr(field.owner, "max_pending", None)
-        if most is not None and bound:
-            setattr(field.owner, field.name, most)
-        elif bound > 2:
+        if bound > 2:
             setattr(field.owner, field.name, 1 << (bound - 1).bit_length())
 
 
