@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hsmc.ops.pdl import pdl_launch
-
 SLOTS = 3
 PROGRAMS = 64  # fixed, so that a call's number is the counter over PROGRAMS whatever the tensor's size
 BLOCK = 1024  # elements a program moves per step
@@ -48,11 +46,7 @@ def _push_all_reduce(
     SLOTS: tl.constexpr,
     PROGRAMS: tl.constexpr,
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # x is the previous kernel's output; the next kernel may start loading its weights meanwhile
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     call = tl.atomic_add(counter_ptr, 1) // PROGRAMS
     slot = call % SLOTS
@@ -97,6 +91,6 @@ class PushAllReduce:
         _push_all_reduce[(PROGRAMS,)](
             x.view(bits), out.view(bits), self.pointers, self.counter, x.numel(), self.capacity,
             rank=self.rank, world=self.world, free=FREE[self.dtype], VALUE=VALUES[self.dtype],
-            SLOTS=SLOTS, PROGRAMS=PROGRAMS, BLOCK=BLOCK, **pdl_launch(x.device),
+            SLOTS=SLOTS, PROGRAMS=PROGRAMS, BLOCK=BLOCK,
         )  # fmt: skip
         return out
