@@ -6,6 +6,8 @@ prefill      chunked prefill of 8 prompts of 512..4096 tokens on the 8B shape at
              whole forward (time, peak activations, last-token logits).
 capture      the time to capture the 8B's decode graphs (kernels compiled).
 profile      the kernels of one 8B decode step (one row), grouped by name (torch.profiler).
+profile-fp8  issue 30 item 6: the forwards of a 16-request FP8 SMC cycle by kernel (FP8 weights and activations: the
+             8B's proposal step 128 x 1, the 32B's verify 128 x 9) against their FP8 tensor-core bound and weight read.
 profile-smc  the forwards of an SMC cycle by kernel (8B proposal step 8 x 1, 32B verify 8 x 9, the 8B's EAGLE3 head
              draft step 6 x 1), with and without programmatic dependent launch (the PDL-off run is the baseline).
 vocab        what follows a forward over the 151,936-entry vocabulary: a Gumbel-max draw for 8 rows and the float64
@@ -36,6 +38,7 @@ from hsmc.engine.runner import ModelRunner
 from hsmc.models.config import DecoderConfig
 from hsmc.models.shapes import hf_config, random_model
 from hsmc.models.size import weight_bytes
+from hsmc.ops.fp8_linear import Fp8Linear
 from hsmc.ops.triton_backend import TritonBackend
 
 
@@ -127,11 +130,21 @@ def capture(report: Report) -> None:
                f"{seconds:.1f} s", part="capture", seconds=seconds)  # fmt: skip
 
 
-def forward_step(shape: str, rows_n: int, width: int, context: int, head: bool, graphs: bool, last_only: bool = True):
+def forward_step(
+    shape: str,
+    rows_n: int,
+    width: int,
+    context: int,
+    head: bool,
+    graphs: bool,
+    last_only: bool = True,
+    fp8: bool = False,
+):
     """(module, step): `step()` runs one forward of `rows_n` rows x `width` new tokens after `context` tokens (prefilled
     here) of the random bf16 `shape` (or of a random EAGLE3 head for it), rolled back after each call; `graphs`: the
     runner replays its own graphs (off: the caller captures `step` whole, as a graphed round holds its forwards);
-    `last_only` False: the logits of every new token, as a verify."""
+    `last_only` False: the logits of every new token, as a verify; `fp8`: FP8 weights and activations (as
+    `engine.fp8_activations`)."""
     from hsmc.eagle.checkpoint import random_eagle3_head
     from hsmc.models.shapes import SHAPES
 
@@ -141,8 +154,10 @@ def forward_step(shape: str, rows_n: int, width: int, context: int, head: bool, 
         model = random_eagle3_head(SHAPES[shape], "bfloat16", "cuda")[0]
         runner = ModelRunner(model, tables, TritonBackend(), 1, cuda_graphs=graphs)
     else:
-        model = random_model(cfg, torch.bfloat16, "cuda")
+        model = random_model(cfg, torch.bfloat16, "cuda", fp8=fp8)
         runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=graphs)
+    for linear in (m for m in model.modules() if isinstance(m, Fp8Linear)):
+        linear.dynamic_activations = True
     rows, full = torch.arange(rows_n, device="cuda"), torch.full((rows_n,), width, device="cuda")
     tokens = torch.randint(0, 1000, (rows_n, width), device="cuda")
 
@@ -163,12 +178,14 @@ def forward_step(shape: str, rows_n: int, width: int, context: int, head: bool, 
     return model, step
 
 
-def profile_forward(shape: str, rows_n: int, width: int, context: int, head: bool = False):
+def profile_forward(
+    shape: str, rows_n: int, width: int, context: int, head: bool = False, last_only: bool = True, fp8: bool = False
+):
     """One forward (graph replay) of `rows_n` rows x `width` new tokens after `context` tokens of the random bf16
     `shape` (or of a random EAGLE3 head for it): (weights' bytes, wall ms per forward, {kernel: (us, launches)})."""
     from torch.profiler import ProfilerActivity, profile
 
-    model, step = forward_step(shape, rows_n, width, context, head, graphs=True)
+    model, step = forward_step(shape, rows_n, width, context, head, graphs=True, last_only=last_only, fp8=fp8)
     with torch.inference_mode():
         for _ in range(3):
             step()
@@ -224,6 +241,36 @@ def profile_smc(report: Report) -> None:
                 say_profile(report, f"{label}, PDL {'on' if use_pdl else 'off'}", *profiled)
                 gc.collect()
                 torch.cuda.empty_cache()
+    finally:
+        pdl.pdl_supported = supported
+
+
+FP8_TFLOPS = 1979.0  # the H100/H200 SXM's dense FP8 tensor-core peak, as issue 30 states its bound
+
+
+def profile_fp8(report: Report) -> None:
+    """Where the 16-request FP8 SMC cycle's time goes: each forward against 2 FLOP per weight and token at the FP8
+    peak (the LM head in bf16 counted alike) and against its weight read."""
+    from hsmc.ops import pdl
+
+    report.say("== the forwards of a 16-request FP8 SMC cycle (N=8, K=8: 128 rows), by kernel, PDL off ==")
+    supported = pdl.pdl_supported
+    pdl.pdl_supported = functools.cache(lambda device: False)
+    try:
+        for shape, width, last_only, label in (("qwen3-8b", 1, True, "8B FP8 proposal step, 128 x 1"),
+                                               ("qwen3-32b", 9, False, "32B FP8 verify, 128 x 9")):  # fmt: skip
+            nbytes, wall_ms, kernels = profile_forward(shape, 128, width, 259, last_only=last_only, fp8=True)
+            c = hf_config(shape)
+            h, d = c.hidden_size, c.head_dim
+            layer = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * c.intermediate_size
+            params = c.num_hidden_layers * layer + h * c.vocab_size  # the Linears and the LM head
+            tokens = 128 * width
+            bound_ms = 2 * params * tokens / (FP8_TFLOPS * 1e12) * 1e3
+            report.say(f"{label}: {wall_ms:.2f} ms, FP8 compute bound {bound_ms:.2f} ms ({bound_ms / wall_ms:.0%})",
+                       forward=label, wall_ms=wall_ms, compute_bound_ms=bound_ms)  # fmt: skip
+            say_profile(report, label, nbytes, wall_ms, kernels)
+            gc.collect()
+            torch.cuda.empty_cache()
     finally:
         pdl.pdl_supported = supported
 
@@ -383,5 +430,5 @@ def tree_verify(report: Report) -> None:
 
 if __name__ == "__main__":
     parts = {"verify": verify, "prefill": prefill, "capture": capture, "profile": profile, "profile-smc": profile_smc,
-             "vocab": vocab, "tree-verify": tree_verify}  # fmt: skip
+             "profile-fp8": profile_fp8, "vocab": vocab, "tree-verify": tree_verify}  # fmt: skip
     run_parts(__doc__.split("\n\n")[0], parts, "bench_forwards")

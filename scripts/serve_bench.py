@@ -12,7 +12,10 @@ automatically but for the hierarchical stack):
 - the rows `engine.max_batch_rows: auto` would give the stack on this GPU.
 (Tiny stacks on CUDA against the CPU, graphed against eager, and the synchronizing calls: `python -m pytest -m gpu`.)
 
-    python scripts/serve_bench.py --out DIR [--stacks 8b,smc,hierarchical] [--new-tokens 64]
+    python scripts/serve_bench.py --out DIR [--stacks 8b,smc,hierarchical] [--new-tokens 64] [--memory-gib 79]
+
+Other stacks: `hierarchical-kv-auto` (its KV sized automatically) and `headline` (configs/qwen3_32b.yaml's shape and
+engine); `--memory-gib 79` holds a larger GPU to an H100 80 GB's memory.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import hsmc.levels.stack  # noqa: E402
 from hsmc.config import load_config  # noqa: E402
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
-from hsmc.engine.kv_sizing import free_memory, with_rows  # noqa: E402
+from hsmc.engine.kv_sizing import with_rows  # noqa: E402
 from hsmc.requests import SamplingParams, derive_seed  # noqa: E402
 
 STACKS = {
@@ -62,6 +66,13 @@ STACKS = {
         {"max_batch_rows": 96, "fp8_activations": True, "kv_capacity_tokens": 16000},
     ),
 }  # fmt: skip
+# the hierarchical stack as `hsmc serve` sizes it by default: KV slots from the memory left (`kv_capacity_tokens: auto`)
+STACKS["hierarchical-kv-auto"] = (STACKS["hierarchical"][0], {"max_batch_rows": 96, "fp8_activations": True})
+# configs/qwen3_32b.yaml's shape and engine (48 rows, KV auto) with random weights, at its temperature
+STACKS["headline"] = (
+    [{**level, "temperature": 0.6} for level in STACKS["hierarchical"][0]],
+    {"max_batch_rows": 48, "fp8_activations": True},
+)
 CLIENTS = 16
 
 
@@ -148,6 +159,15 @@ def client_process(port: int, bodies: list[dict], results, open_first: bool) -> 
     results.put(asyncio.run(run()))
 
 
+def cap_memory(gib: float) -> None:
+    """Hold this process to `gib` of the GPU (allocations and the KV sizing's free memory), as on a smaller GPU of
+    the same kind: an H100 80 GB leaves a process about 79 GiB."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
+    real = hsmc.levels.stack.free_memory
+    hsmc.levels.stack.free_memory = lambda d: min(real(d), int(gib * 2**30) - torch.cuda.memory_reserved(d))
+
+
 def bench(name: str, new_tokens: int, log: list[str]) -> dict:
     levels, engine = STACKS[name]
     config = load_config({"levels": levels, "engine": {"device": "cuda", "warmup": True, **engine}})
@@ -158,7 +178,8 @@ def bench(name: str, new_tokens: int, log: list[str]) -> dict:
         f"{decoder.stack.capacity}", log)  # fmt: skip
     auto = load_config({"levels": levels, "engine": {"device": "cuda"}})
     modules = [runner.module for runner in decoder.stack.runners]
-    rows = with_rows(auto, modules, free_memory(torch.device("cuda")) + decoder_kv_bytes(decoder))
+    free = hsmc.levels.stack.free_memory(torch.device("cuda"))  # held to --memory-gib where given
+    rows = with_rows(auto, modules, free + decoder_kv_bytes(decoder))
     say(f"{name}: engine.max_batch_rows: auto would give {rows.engine.max_batch_rows} rows on this GPU", log)
     vocab = modules[-1].config.vocab_size
     prompt = [(7919 * i) % vocab for i in range(128)]
@@ -237,10 +258,13 @@ def main() -> None:
     parser.add_argument("--stacks", default="8b,smc,hierarchical")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--one", help="run this stack alone (the parent runs each stack so)")
+    parser.add_argument("--memory-gib", type=float, help="hold each stack to this much GPU memory (79: an H100 80 GB)")
     args = parser.parse_args()
     out, log = Path(args.out), []
     out.mkdir(parents=True, exist_ok=True)
     if args.one:
+        if args.memory_gib:
+            cap_memory(args.memory_gib)
         (out / f"{args.one}.json").write_text(json.dumps(bench(args.one, args.new_tokens, []), indent=1))
         return
     say(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}", log)
@@ -248,6 +272,7 @@ def main() -> None:
     for name in args.stacks.split(","):  # each stack in a process of its own: its GPU memory is all free after
         one = out / f"{name}.json"
         command = [sys.executable, __file__, "--one", name, "--out", str(out), "--new-tokens", str(args.new_tokens)]
+        command += ["--memory-gib", str(args.memory_gib)] if args.memory_gib else []
         run = subprocess.run(command, capture_output=True, text=True)
         for line in run.stdout.splitlines():
             say(line, log)
