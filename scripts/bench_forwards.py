@@ -182,7 +182,8 @@ def profile_forward(
     shape: str, rows_n: int, width: int, context: int, head: bool = False, last_only: bool = True, fp8: bool = False
 ):
     """One forward (graph replay) of `rows_n` rows x `width` new tokens after `context` tokens of the random bf16
-    `shape` (or of a random EAGLE3 head for it): (weights' bytes, wall ms per forward, {kernel: (us, launches)})."""
+    `shape` (or of a random EAGLE3 head for it; `last_only`, `fp8` as in `forward_step`): (weights' bytes, wall ms per
+    forward, {kernel: (us, launches)})."""
     from torch.profiler import ProfilerActivity, profile
 
     model, step = forward_step(shape, rows_n, width, context, head, graphs=True, last_only=last_only, fp8=fp8)
