@@ -31,7 +31,7 @@ import time
 
 import torch
 import triton.testing
-from gpu_common import Report, run_parts
+from gpu_common import FP8_PEAK_FLOPS, Report, layer_dims, run_parts
 
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.runner import ModelRunner
@@ -246,9 +246,6 @@ def profile_smc(report: Report) -> None:
         pdl.pdl_supported = supported
 
 
-FP8_TFLOPS = 1979.0  # the H100/H200 SXM's dense FP8 tensor-core peak, as issue 30 states its bound
-
-
 def profile_fp8(report: Report) -> None:
     """Where the 16-request FP8 SMC cycle's time goes: each forward against 2 FLOP per weight and token at the FP8
     peak (the LM head in bf16 counted alike) and against its weight read."""
@@ -262,11 +259,9 @@ def profile_fp8(report: Report) -> None:
                                                ("qwen3-32b", 9, False, "32B FP8 verify, 128 x 9")):  # fmt: skip
             nbytes, wall_ms, kernels = profile_forward(shape, 128, width, 259, last_only=last_only, fp8=True)
             c = hf_config(shape)
-            h, d = c.hidden_size, c.head_dim
-            layer = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * c.intermediate_size
-            params = c.num_hidden_layers * layer + h * c.vocab_size  # the Linears and the LM head
-            tokens = 128 * width
-            bound_ms = 2 * params * tokens / (FP8_TFLOPS * 1e12) * 1e3
+            layer = sum(n * k for n, k in layer_dims(shape).values())
+            params = c.num_hidden_layers * layer + c.hidden_size * c.vocab_size  # the Linears and the LM head
+            bound_ms = 2 * params * 128 * width / FP8_PEAK_FLOPS * 1e3
             report.say(f"{label}: {wall_ms:.2f} ms, FP8 compute bound {bound_ms:.2f} ms ({bound_ms / wall_ms:.0%})",
                        forward=label, wall_ms=wall_ms, compute_bound_ms=bound_ms)  # fmt: skip
             say_profile(report, label, nbytes, wall_ms, kernels)

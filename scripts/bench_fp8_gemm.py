@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton.testing
+from gpu_common import FP8_PEAK_FLOPS
 
 from hsmc.bench import copy_bandwidth
 from hsmc.ops.fp8_gemm import fp8_gemm, quantize_groups, w8a8_matmul
@@ -25,7 +26,6 @@ LINEARS = {  # name: [(linear, N, K)]
     "qwen3-32b": [("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600)],
     "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)],
 }
-FP8_TFLOPS = {"H100": 1979e12, "H200": 1979e12}  # dense FP8 tensor-core peak of the SXM parts
 
 
 def cublas_scales(q_scale: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
-    peak = next((v for k, v in FP8_TFLOPS.items() if k in name), 1979e12)
+    peak = FP8_PEAK_FLOPS
     bandwidth = copy_bandwidth(dev)
     print(f"device {name}; torch {torch.__version__}, CUDA {torch.version.cuda}; FP8 peak {peak / 1e12:.0f} TFLOP/s; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip

@@ -21,6 +21,7 @@ from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
 
 KV_HEADS, HEAD_DIM = 8, 128  # of the Qwen3-8B and 32B
+FP8_PEAK_FLOPS = 1979e12  # the dense FP8 tensor-core peak of an H100 or H200 SXM (issue 30 states its bound so)
 # Each decoder-layer Linear and the step around it: the norm before qkv and gate_up, the residual added by o and down,
 # SiLU·mul before down
 LINEAR_STEPS = {
