@@ -227,9 +227,10 @@ class HierarchicalDecoder:
         another mix of sampling laws, a batch size between at an R the warmup's law did not plan) runs eagerly and is
         counted (`Graphs.missed`). Under `num_draft_tokens: auto` / `tree: auto` a round's graph depends on the
         shape chosen from the acceptance seen so far: every batch size runs again once with each shape, captured at
-        its first run (a probe after a long streak without drafts still runs eagerly: its drafter catches up on a
-        number of tokens no warmup can foresee). Prefills of a few sizes run once, so that their kernels are compiled
-        too. Nothing to do without graphed units."""
+        its first run (a `model` drafter's probe after a long streak without drafts still runs eagerly: it catches up
+        on a number of tokens no warmup can foresee; an EAGLE3 head's backlog takes one bound, `max_pending`).
+        Prefills of a few sizes run once, so that their kernels are compiled too. Nothing to do without graphed
+        units."""
         scope = self.stack.scope
         if self._warm or not scope.units:
             return

@@ -16,7 +16,7 @@ from test_rejection import _chi2_pvalue, _exact_first_tokens, _hf_greedy, pair, 
 from hsmc.config import AUTO_MOST_DRAFTS, load_config
 from hsmc.decoder import TIMING_ROUNDS, HierarchicalDecoder
 from hsmc.errors import ConfigError
-from hsmc.levels.draft_length import PROBE_SHARE, DraftLength, expected_tokens
+from hsmc.levels.draft_length import DRAFT_MARGIN, PROBE_SHARE, DraftLength, expected_tokens
 from hsmc.levels.tree import TreeShape
 
 PICKS = [0, 3, 0, 0, 1, 8, 2, 0, 5, 4, 0, 7, 6, 1]  # a schedule that visits every γ, 0 (the target alone) often
@@ -57,17 +57,21 @@ def _scheduled(decoder: HierarchicalDecoder, picks: list[int]) -> list[int]:
     return taken
 
 
-def _graphed_auto_stack(models, monkeypatch, **options) -> HierarchicalDecoder:
-    """A greedy [model drafter, rejection auto] stack of the (draft, target) `models` whose rounds are graphed
-    units as on CUDA, their captures emulated on the CPU (an emulated graph replays by running the round again)."""
+def _graphed_auto_stack(models, monkeypatch, drafter: str = "model", **options) -> HierarchicalDecoder:
+    """A greedy [drafter, rejection auto] stack of the (draft, target) `models` (`drafter` eagle3: (verifier,
+    head)) whose rounds are graphed units as on CUDA, their captures emulated on the CPU (an emulated graph replays
+    by running the round again)."""
     from test_round_graphs import _emulated_capture
 
     from hsmc.engine.graphs import Graphs
     from hsmc.levels.rejection import _bare_round_fields
 
     monkeypatch.setattr(Graphs, "_capture", _emulated_capture)
-    draft, target = models
-    decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, timed=False, **options)
+    if drafter == "eagle3":
+        target, draft = models
+    else:
+        draft, target = models
+    decoder = _auto_stack({"kind": drafter, "model": str(draft)}, target, 0.0, timed=False, **options)
     level, scope = decoder.stack.top, decoder.stack.scope
     host, whole = level.graph_parts().host, level.state.timer.whole
     level.rounds = Graphs(level._kept, scope, host, whole)
@@ -133,6 +137,22 @@ def test_costly_drafts_are_never_chosen_when_no_length_pays_for_itself():
     assert choice.probe_every(1) == 46
     picks = [choice.choose(1) for _ in range(4 * 46)]
     assert picks.count(0) == 4 * 46 - 4 and picks.count(1) == 4
+
+
+def test_drafting_replaces_the_target_alone_only_when_predicted_faster_by_the_margin():
+    """At α = 0.5 a round of γ = 1 yields 1.5 tokens: priced just under (1 + DRAFT_MARGIN) · 1.5 target steps it is
+    predicted faster but within the start-up timing's error, so the target runs alone (with its probes); priced just
+    over the margin's reach, γ = 1 runs every round."""
+    choice = DraftLength(1)
+    choice.kept, choice.rejected = 500.0, 500.0
+    step = 10.0
+    choice.round_ms = {1: [step, 1.5 * step / (1 + DRAFT_MARGIN) * 1.001]}  # 1.5 / ms: (1 + margin) · 0.999 / step
+    assert choice.expected(1) / choice.ms(1, 1) > 1 / step  # predicted faster than the target alone
+    every = choice.probe_every(1)
+    picks = [choice.choose(1) for _ in range(2 * every)]
+    assert picks.count(1) == 2 and picks.count(0) == 2 * every - 2
+    choice.round_ms = {1: [step, 1.5 * step / (1 + DRAFT_MARGIN) * 0.999]}
+    assert [choice.choose(1) for _ in range(50)] == [1] * 50
 
 
 def test_probes_pay_for_the_drafters_catch_up_and_stop_where_it_alone_exceeds_their_share():
@@ -237,6 +257,76 @@ def test_greedy_output_is_the_verifiers_whatever_shape_each_round_takes(pair, ve
     assert_pools_empty(decoder)
 
 
+def _eagle_rounds(verifier, head, picks: list[int], every_round: bool = False) -> tuple[list, list[int], int, int]:
+    """Greedy decode of two prompts by [eagle3 head, rejection auto] with γ forced from `picks`: the drafts of every
+    draft (as lists), the pairs left waiting after each round, the head's forwards and its `max_pending`.
+    `every_round`: the head processes the pairs of a round without drafts at once (what it did before)."""
+    decoder = _auto_stack({"kind": "eagle3", "model": str(head)}, verifier, 0.0, timed=False)
+    level, eagle = decoder.stack.top, decoder.stack.levels[0]
+    _scheduled(decoder, picks)
+    drafts, waiting = [], []
+    propose, step, accept = eagle.propose, level.step, eagle.accept
+
+    def record_drafts(rows, k, at_most=False):
+        proposal = propose(rows, k, at_most)
+        drafts.append(proposal.tokens.tolist())
+        return proposal
+
+    def record_waiting(rows):
+        emission = step(rows)
+        waiting.append(eagle.pending_bound)
+        return emission
+
+    def accept_now(*args, **kwargs):
+        accept(*args, **kwargs)
+        eagle._catch_up(args[0])
+
+    eagle.propose, level.step = record_drafts, record_waiting
+    if every_round:
+        eagle.accept = accept_now
+    prompts = [[5, 9, 13], [7] * 11]
+    results = decoder.generate(prompts, max_new_tokens=60, ignore_eos=True)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == _hf_greedy(verifier, prompt, 60)
+    assert_pools_empty(decoder)
+    return drafts, waiting, results[0].stats["levels"][0]["forwards"], eagle.max_pending
+
+
+def test_an_eagle3_head_sits_out_rounds_without_drafts_and_drafts_as_if_it_had_not(verifier_and_head):  # noqa: F811
+    """In a round of γ = 0 the head only stores the verifier's features and processes those pairs at its next draft:
+    its drafts equal those of a twin that processes them every round (as it did before), with fewer forwards; a
+    streak of γ = 0 longer than the pairs it may leave waiting (`max_pending`, within its feature window) is cut by
+    a round that drafts; the greedy tokens stay the verifier's throughout."""
+    verifier, head = verifier_and_head
+    picks = [0, 0, 0, 2, 0, 3] + [0] * 9 + [1]
+    drafts, waiting, forwards, most = _eagle_rounds(verifier, head, picks)
+    twin_drafts, twin_waiting, twin_forwards, _ = _eagle_rounds(verifier, head, picks, every_round=True)
+    assert drafts == twin_drafts and len(drafts) >= 8
+    assert max(twin_waiting) == 0 and 9 <= max(waiting) < most
+    assert forwards < twin_forwards
+    _, waiting, _, most = _eagle_rounds(verifier, head, [0] * 40 + [1])
+    assert max(waiting) == most  # reached, and a drafting round came next
+
+
+def test_an_eagle3_heads_backlog_ends_with_its_requests(verifier_and_head):  # noqa: F811
+    """Pairs left waiting by rounds of γ = 0 belong to the rows that left them: once those have ended (the driver
+    bounds every length to 0 before it admits the next rows) the backlog is 0, so the next requests' rounds of γ = 0
+    start from none and meet no drafting round forced by `max_pending` (runs of a little under it draw no draft)."""
+    verifier, head = verifier_and_head
+    decoder = _auto_stack({"kind": "eagle3", "model": str(head)}, verifier, 0.0, timed=False)
+    eagle = decoder.stack.levels[0]
+    _scheduled(decoder, [0])
+    drafts = []
+    propose = eagle.propose
+    eagle.propose = lambda rows, k, at_most=False: drafts.append(k) or propose(rows, k, at_most)
+    prompt, n = [5, 9, 13], eagle.max_pending - 2
+    for _ in range(3):
+        (result,) = decoder.generate([prompt], max_new_tokens=n, ignore_eos=True)
+        assert result.token_ids == _hf_greedy(verifier, prompt, n)
+    assert drafts == []
+    assert_pools_empty(decoder)
+
+
 @pytest.mark.parametrize("drafter,tree", [("model", None), ("eagle3", None), ("model", "auto")])
 def test_lossless_in_distribution_whatever_shape_each_round_takes(small_vocab_pair, small_vocab, drafter, tree):  # noqa: F811
     """T = 1, 20 000 samples of 3 tokens with γ changing every round (0..8; with tree: auto, the two smaller draft
@@ -307,6 +397,24 @@ def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind
     # one shape before the first probe and one after (the drafter's last proposal: none, then 1), each captured
     # once it recurs
     assert level.bare_rounds.replays >= bare - 2 * CAPTURE_AFTER, (level.bare_rounds.replays, bare)
+    assert_pools_empty(decoder)
+
+
+def test_an_eagle3_heads_probes_after_streaks_recur_as_one_graph(verifier_and_head, monkeypatch):  # noqa: F811
+    """An EAGLE3 head's pairs left by rounds of γ = 0 are a key of the next drafting round's graph: its bound is
+    taken to `max_pending` before such a round, so every probe after a streak (of any length) is one shape,
+    captured once it recurs and replayed (units and captures emulated), and the greedy tokens stay the verifier's."""
+    from hsmc.engine.graphs import CAPTURE_AFTER
+
+    decoder = _graphed_auto_stack(verifier_and_head, monkeypatch, drafter="eagle3")
+    level = decoder.stack.top
+    taken = _scheduled(decoder, [0] * 2 + [1] + [0] * 5 + [1] + [0] * 9 + [1])
+    prompt = [5, 9, 13]
+    (result,) = decoder.generate([prompt], max_new_tokens=150, ignore_eos=True)
+    assert result.token_ids == _hf_greedy(verifier_and_head[0], prompt, 150)
+    probes = taken.count(1)
+    assert probes >= 12 and level.rounds.replays >= probes - CAPTURE_AFTER - 1, (level.rounds.replays, probes)
+    assert level.bare_rounds.replays > 0
     assert_pools_empty(decoder)
 
 

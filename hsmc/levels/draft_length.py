@@ -9,11 +9,12 @@ et al., 2023). α is estimated from the chain rounds read so far, each count dis
 so the choice follows acceptance as it drifts. A tree's yield is predicted as a chain of its depth whose every step
 keeps one of `topk` children, 1 - (1 - α)^topk (optimistic: siblings are not independent), times what its own rounds
 yielded over what that predicted for them (discounted alike), so a tree is tried and then judged by its rounds.
-While γ = 0 wins, nothing is observed: now and then a round drafts anyway (γ = 1, the cheapest), as seldom as keeps
-those probes' extra time under PROBE_SHARE of the time, so that better acceptance is noticed. A probe's extra time
-counts the drafters' catch-up (`catch_up_ms`, also measured at start): the tokens of the rounds they sat out are
-processed at the probe, a cost per token however rare the probes. Where that cost alone exceeds PROBE_SHARE of a
-round, no probe interval pays and γ = 0 stays until the next timing.
+Drafting is chosen over the target alone only where it is predicted DRAFT_MARGIN faster. While γ = 0 wins, nothing
+is observed: now and then a round drafts anyway (γ = 1, the cheapest), as seldom as keeps those probes' extra time
+under PROBE_SHARE of the time, so that better acceptance is noticed. A probe's extra time counts the drafters'
+catch-up (`catch_up_ms`, also measured at start): the tokens of the rounds they sat out are processed at the probe,
+a cost per token however rare the probes. Where that cost alone exceeds PROBE_SHARE of a round, no probe interval
+pays and γ = 0 stays until the next timing.
 The choice only ever depends on rounds already read, never on the round it is for, so every round is an ordinary
 speculative-sampling round and the output stays an exact sample of the verifier's law.
 """
@@ -28,6 +29,8 @@ from hsmc.levels.tree import TreeShape
 RoundTimes = tuple[dict[int, list[float]], dict[int, float]]  # `round_ms` and `catch_up_ms`, as ranks share them
 
 DECAY = 0.97  # weight of an observation after each later row-round: ~33 row-rounds' memory
+DRAFT_MARGIN = 0.05  # drafting replaces the target alone only where predicted this much faster: the start-up
+# timing's error (γ = 1 timed at 1.24x a step cost 1.29-1.59x on a 2-core CPU), and the tolerance a GPU allows
 PROBE_SHARE = 0.02  # most share of the time that rounds drafting against the choice (to observe acceptance) take
 PRIOR = (1.0, 1.0)  # pseudo-counts (kept, rejected) before any round is read: α = 0.5
 TREE_PRIOR_TOKENS = 4.0  # a tree's yield over its prediction starts at 1 as if from rounds of this many tokens
@@ -93,8 +96,9 @@ class DraftLength:
             return self.forced
         if self.round_ms is None:
             return self.most // 2
-        best = max(range(self.arms), key=lambda arm: self.expected(arm) / self.ms(arm, rows))
-        if best:
+        speed = [self.expected(arm) / self.ms(arm, rows) for arm in range(self.arms)]
+        best = max(range(self.arms), key=speed.__getitem__)
+        if best and speed[best] >= (1 + DRAFT_MARGIN) * speed[0]:
             return best
         every = self.probe_every(rows)
         if every is None:

@@ -13,6 +13,10 @@ step, until the verifier's features for it arrive. A one-token prompt has no pai
 head drafts uniformly over its vocabulary until the first verify (drafts are only proposals, so
 any q that is reported truthfully keeps the verifier lossless). The head runs through the same
 `ModelRunner` as every model (its own block tables, KV cache and graphs).
+After a round it did not draft for (a verify of γ = 0, chosen by `num_draft_tokens: auto`) the head only stores
+the features: it processes those pairs at its next draft (`pending_bound` of them at most, a count the rejection
+level keeps under `max_pending`, so the features stay in the window), as a `model` drafter processes the tokens of
+the rounds it sat out. Processing them every round cost such a round 7.6 % on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -74,7 +78,9 @@ class Eagle3Level:
         self.final_len = torch.zeros(max_rows, dtype=torch.int64, device=device)  # feature-based pairs in KV
         self.target_ids = self.head.to_target_ids(torch.arange(self.head.draft_vocab_size, device=device))
         self.no_pair_logits = self._full_vocab(torch.zeros(1, self.head.draft_vocab_size, device=device))[0]
-        self.proposed = 0
+        self.proposed = 0  # head KV entries of the drafts since the last accept (0: this round drafted nothing)
+        self.pending_bound = 0  # >= every row's pairs left unprocessed by rounds it did not draft for
+        self.max_pending = feature_window // 4  # most such pairs: their features must stay in the window
 
     # -- the Level interface ---------------------------------------------------------------
     def load_prompts(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
@@ -101,6 +107,7 @@ class Eagle3Level:
         self.last_hidden[rows], self.last_logits[rows] = self.final_hidden[rows], self.final_logits[rows]
 
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
+        self._catch_up(rows)
         law = self.laws.at(rows)
         start = self.state.seq_len[rows]  # the first draft's position
         tokens, logq, logprobs = [], [], []
@@ -123,6 +130,7 @@ class Eagle3Level:
         """EAGLE-2's dynamic tree: the root's law is the head's output at the last pair; each depth's frontier
         runs as one head forward (`frontier_batch`), every node fed its parent's pre-norm output as a chain's draft
         step is. The provisional KV entries are rolled back by the next `accept`, as a chain's are."""
+        self._catch_up(rows)
         law = self.laws.at(rows)
         start = self.state.seq_len[rows]  # the first draft's position
         outputs = self.last_hidden[rows][:, None]  # [R, nodes so far, H]: each node's pre-norm output
@@ -148,7 +156,8 @@ class Eagle3Level:
         noise = keyed_noise(self.streams, rows, self.draw, start, root_logq.shape[-1]) if sampled else None
         root = self.state.seq[rows, start - 1]
         tree = grow(root, root_logq, expand, shape.depth, shape.topk, shape.budget, noise)
-        self.proposed = (shape.depth - 1) * shape.topk  # head KV entries past the pairs, rolled back by accept
+        self.proposed = max(1, (shape.depth - 1) * shape.topk)  # head KV entries past the pairs (a bound), rolled
+        # back by accept; never 0, which would read as a round it did not draft for
         return tree
 
     def commit(self, rows: torch.Tensor, n: int) -> None:
@@ -173,14 +182,20 @@ class Eagle3Level:
         provisional = self.proposed + self.max_bridged  # draft steps and bridged pairs past final_len
         self.runner.tables.truncate(rows, valid, max_drop=provisional + self.max_new_pairs)
         self.final_len[rows] = valid
+        drafted, self.proposed = self.proposed, 0
         if features is not None:  # from the verifier: every pair up to keep_len has its feature now
-            self._process_pairs(rows, keep_len, self.max_new_pairs + self.max_bridged)
+            if not drafted:  # a round of γ = 0: processed at the next draft
+                self.pending_bound += 1
+                return
+            self._process_pairs(rows, keep_len, self.max_new_pairs + self.max_bridged + self.pending_bound)
+            self.pending_bound = 0
             return
         known = torch.minimum(self.feature_len[rows], keep_len)  # pairs t < known have their feature
         torch._assert_async(
             (known >= keep_len - self.max_bridged).all(), "eagle3: more pairs lack features than levels"
         )
-        self._process_pairs(rows, known, 1)
+        self._process_pairs(rows, known, 1 + self.pending_bound)
+        self.pending_bound = 0
         self._bridge(rows, known, keep_len)
 
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -200,10 +215,13 @@ class Eagle3Level:
         return []
 
     def set_len_bound(self, bound: int) -> None:
+        """Also bounds the backlog: a row holds no more waiting pairs than tokens, so the bound of 0 the driver sets
+        when no row is left ends it with its requests (the next requests must not meet a forced drafting round)."""
         self.state.bound_lengths(bound)
+        self.pending_bound = min(self.pending_bound, bound)
 
     def graph_parts(self) -> GraphParts:
-        own = GraphParts([self.head], [HostField(self, "proposed")])
+        own = GraphParts([self.head], [HostField(self, "proposed"), HostField(self, "pending_bound")])
         return self.state.graph_parts() + self.laws.graph_parts() + own
 
     def reset_stats(self) -> None:
@@ -213,6 +231,19 @@ class Eagle3Level:
         return {"forward_seconds": self.timer.seconds(), "forwards": self.timer.count}
 
     # -- internals ------------------------------------------------------------------------
+    def _catch_up(self, rows: torch.Tensor) -> None:
+        """Before a draft: process the pairs that rounds of γ = 0 left (rows without any keep their last output,
+        which may be a bridged pair's)."""
+        if not self.pending_bound:
+            return
+        upto = torch.maximum(torch.minimum(self.feature_len[rows], self.state.seq_len[rows] - 1), self.final_len[rows])
+        behind = (upto > self.final_len[rows])[:, None]
+        hidden, logits = self.last_hidden[rows], self.last_logits[rows]
+        self._process_pairs(rows, upto, self.pending_bound)
+        self.last_hidden[rows] = torch.where(behind, self.last_hidden[rows], hidden)
+        self.last_logits[rows] = torch.where(behind, self.last_logits[rows], logits)
+        self.pending_bound = 0
+
     def _store(self, rows: torch.Tensor, features: StepOutput, upto: torch.Tensor) -> None:
         """Keep the verifier's features of positions in [upto - window, upto) in the per-row ring."""
         offsets = torch.arange(features.features.shape[1], device=rows.device)

@@ -35,6 +35,7 @@ and both models' rollback — is a graphed unit (`Graphs`: one CUDA graph per sh
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -177,6 +178,8 @@ class RejectionLevel:
         choice = None
         if self.draft_length is not None:
             choice = self.draft_length.choose(rows.shape[0])
+            if choice == 0 and _backlog_full(self.waiting):
+                choice = 1  # the drafter may leave no more tokens waiting (an EAGLE3 head's feature window)
             self._take(*self.draft_length.shape(choice))
             self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
         base = self.state.seq_len[rows]
@@ -389,6 +392,11 @@ class RejectionLevel:
             keep = ((greedy[:, :gamma] == draft.tokens) & drafted).to(torch.int64)
             accepted = keep.cumprod(1).sum(1)
             return accepted, greedy[index, accepted]
+        ones, no_floor = torch.ones_like(p_logits[:, 0, 0]), torch.full_like(p_logits[:, 0, 0], float("-inf"))
+        if gamma == 0:  # nothing to accept: the token is a draw from p' itself (no pass over q, no residual)
+            keys = self.streams.keys(rows, self.residual_purpose, base)
+            token, _ = self.laws.backend.gumbel_max(logp[:, 0], ones, no_floor, keys)
+            return torch.zeros_like(base), token
         p = logp.exp()
         if draft.logprobs is None:  # deterministic drafts: q is one-hot at the draft
             q = torch.zeros_like(p[:, :gamma]).scatter_(-1, draft.tokens[..., None], 1.0)
@@ -405,7 +413,6 @@ class RejectionLevel:
         q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], 1)
         residual = (p - q_pad).clamp_min(0)[index, accepted]
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[index, accepted])
-        ones, no_floor = torch.ones_like(p[:, 0, 0]), torch.full_like(p[:, 0, 0], float("-inf"))
         keys = self.streams.keys(rows, self.residual_purpose, base + accepted)
         token, _ = self.laws.backend.gumbel_max(residual.log(), ones, no_floor, keys)
         return accepted, token
@@ -414,6 +421,11 @@ class RejectionLevel:
 def _waiting(drafter: Level) -> list[HostField]:
     """The drafter's bounds on the tokens waiting for its next forward (its own and its drafters')."""
     return [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
+
+
+def _backlog_full(waiting: list[HostField]) -> bool:
+    """Whether a drafter with a limit on the tokens it leaves waiting (`max_pending`) has reached it."""
+    return any(getattr(f.owner, f.name) >= getattr(f.owner, "max_pending", math.inf) for f in waiting)
 
 
 def _bare_round_fields(host: list[HostField], waiting: list[HostField]) -> list[HostField]:
@@ -428,10 +440,14 @@ def _loosen(waiting: list[HostField]) -> None:
     as the round graph's key would make each such round (a probe of the choice) a new shape, run eagerly with its
     catch-up forward (that forward alone took 6-16 ms on an H200, a graphed SmolLM2 round ~1 ms). A bound may be
     loose: rounded up to a power of two it recurs and the round is captured, its catch-up padded to the bound.
-    Bounds of 1 and 2 (after rounds with drafts) stay."""
+    Bounds of 1 and 2 (after rounds with drafts) stay. A drafter whose backlog has a limit (`max_pending`: an EAGLE3
+    head, whose bound is 0 after rounds with drafts) takes the limit, one shape for every probe."""
     for field in waiting:
         bound = getattr(field.owner, field.name)
-        if bound > 2:
+        most = getattr(field.owner, "max_pending", None)
+        if most is not None and bound:
+            setattr(field.owner, field.name, most)
+        elif bound > 2:
             setattr(field.owner, field.name, 1 << (bound - 1).bit_length())
 
 

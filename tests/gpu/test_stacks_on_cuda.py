@@ -97,6 +97,31 @@ def test_auto_draft_length_times_replays_and_decodes_the_cpus_greedy_tokens(stac
     assert_pools_empty(cuda)
 
 
+@pytest.mark.parametrize("kind", ["rejection", "eagle3"])
+def test_auto_rounds_of_any_gamma_at_t1_decode_the_same_graphed_as_eager(stacks, kind):
+    """`num_draft_tokens: auto` at T = 1 with γ on a schedule of long streaks of 0 (the drafter sits them out and
+    catches up at the next draft: a `model` drafter's tokens, an EAGLE3 head's pairs): after `warmup()` the graphed
+    decoder replays its rounds without a sync and draws the eager decoder's tokens for the same seeds."""
+    *below, top = stacks[kind]
+    auto = [*below, {**top, "num_draft_tokens": "auto"}]
+    schedule = [0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0, 3, *[0] * 12, 4, 0, 1]
+    params = [SamplingParams(seed=s, max_tokens=40, ignore_eos=True, temperature=1.0) for s in (3, 4, 5, 6)]
+
+    def run(d: HierarchicalDecoder) -> list[list[int]]:
+        picks = iter(schedule * 20)
+        d.stack.top.draft_length.choose = lambda rows: next(picks)
+        return [r.token_ids for r in d.generate(PROMPTS, params=params)]
+
+    eager = run(decoder(auto, "cuda", cuda_graphs=False))
+    graphed = decoder(auto, "cuda")
+    graphed.warmup(progress=False)
+    assert without_syncs(lambda: run(graphed)) == eager
+    level = graphed.stack.top
+    assert level.rounds.replays > 0 and level.bare_rounds.replays > 0
+    graphed.driver.quiesce()
+    assert_pools_empty(graphed)
+
+
 @pytest.mark.parametrize("kind", ["model", "rejection", "eagle3", "tree", "eagle3-tree", "smc", "hierarchical"])
 def test_seeded_request_is_the_same_graphed_eager_alone_and_amid_others(stacks, kind):
     mine = SamplingParams(seed=42, max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95)
