@@ -20,7 +20,18 @@ from hsmc.errors import (
 )
 from hsmc.models.loading import LoadedModel, load_model, read_decoder_config, safetensors_files  # noqa: E402
 from hsmc.models.weight_loader import load_decoder  # noqa: E402
-from hsmc.ops.fp8_gemm import Fp8GemmPlan, W8A8Plan, fp8_gemm, quantize_groups, w8a8_matmul  # noqa: E402
+from hsmc.ops import fused  # noqa: E402
+from hsmc.ops.fp8_gemm import (  # noqa: E402
+    Fp8GemmPlan,
+    W8A8Plan,
+    block_scaled_gemm,
+    fp8_gemm,
+    quantize_groups,
+    rms_norm_quantize,
+    silu_mul_quantize,
+    w8a8_gemm,
+    w8a8_matmul,
+)
 from hsmc.ops.fp8_linear import (  # noqa: E402
     FP8_DTYPE,
     FP8_MAX,
@@ -29,6 +40,8 @@ from hsmc.ops.fp8_linear import (  # noqa: E402
     quantize_activations,
     quantize_fp8,
 )
+from hsmc.ops.linear_router import Kernel, Route  # noqa: E402
+from hsmc.ops.triton_backend import run_route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 3, 40], [7, 7, 60]]
@@ -154,6 +167,114 @@ def test_quantize_groups_writes_column_major_scales_and_taller_outputs_with_the_
     assert scale_cm.shape == (16, 3) and scale_cm.stride() == (1, 16)
     assert torch.equal(q_cm[:5].float(), q.float()) and torch.equal(scale_cm[:5], scale)
     assert scale.shape == (5, 3) and scale.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("prologue", ["norm", "silu"])
+@pytest.mark.parametrize(
+    "k,group,rows,column_major",
+    [(300, 64, None, False), (300, 64, 8, True), (96, 32, None, True), (40, 64, 6, False)],
+    ids=["raggedK", "taller-column-major", "whole-groups-column-major", "K-below-group-taller"],
+)
+def test_fused_quantizers_equal_their_prologue_then_quantize_groups(prologue, dtype, k, group, rows, column_major):
+    """`rms_norm_quantize` / `silu_mul_quantize`: the bits of the prologue's kernel then `quantize_groups` (e4m3 codes,
+    scales, layout), an all-zero row and an all-zero group among them; the scales also against their torch
+    definition, which the quantizing code the three kernels share cannot follow into an error."""
+    torch.manual_seed(k + group)
+    m = 5
+    x = torch.randn(m, k) * torch.logspace(-2, 1, m)[:, None]
+    x[1] = 0
+    if prologue == "norm":
+        weight = torch.rand(k) + 0.5
+        weight[group : 2 * group] = 0  # the second group (none where K <= group)
+        x, weight = x.to(dtype), weight.to(dtype)
+        h = fused.rms_norm(x, weight, 1e-6)
+        q, scale = rms_norm_quantize(x, weight, 1e-6, group, rows, column_major)
+    else:
+        up = torch.randn(m, k)
+        up[:, group : 2 * group] = 0
+        gate_up = torch.cat([x, up], 1).to(dtype)
+        h = fused.silu_mul(gate_up)
+        q, scale = silu_mul_quantize(gate_up, group, rows, column_major)
+    want_q, want_scale = quantize_groups(h, group, rows, column_major)
+    assert q.shape == want_q.shape and q.dtype == FP8_DTYPE
+    assert scale.shape == want_scale.shape and scale.stride() == want_scale.stride()
+    assert torch.equal(q[:m].view(torch.uint8), want_q[:m].view(torch.uint8))
+    assert torch.equal(scale[:m], want_scale[:m])
+    assert torch.equal(scale[:m], reference_groups(h.float(), group)[1])
+    tiny = torch.finfo(torch.float32).tiny  # the scale of an all-zero group
+    assert (scale[1] == tiny).all() and (scale[:m, 1:2] == tiny).all()
+    assert (q[1].float() == 0).all() and (q[:m, group : 2 * group].float() == 0).all()
+
+
+def unfused_fp8_activation_linear(
+    kernel: Kernel, x: torch.Tensor, linear: Fp8Linear, norm, silu_mul: bool, residual, run_rows: int
+) -> torch.Tensor:
+    """What `run_route` ran on the FP8-activation routes before the quantizer joined the prologue: the prologue's
+    kernel writing bf16 rows, `w8a8_gemm` / `block_scaled_gemm` on them, then the bias and the residual."""
+    k = linear.weight.shape[1]
+    h = fused.rms_norm(x, *norm) if norm is not None else fused.silu_mul(x) if silu_mul else x
+    h = h.reshape(-1, k)
+    weight, scale, block, bias = linear.weight, linear.weight_scale_inv, linear.block, linear.bias
+    res = residual.reshape(h.shape[0], -1) if residual is not None else None
+    if kernel is Kernel.FP8_ACT_TRITON:
+        if bias is None:
+            return w8a8_gemm(h, weight, scale, block, residual=res)
+        out = w8a8_gemm(h, weight, scale, block) + bias
+    else:
+        out = block_scaled_gemm(h, weight, scale, run_rows)
+        out = out + bias if bias is not None else out
+    return out if res is None else res + out
+
+
+def fp8_activation_case(prologue: str, bias: bool, residual: bool, k: int, n: int, block: tuple[int, int]):
+    """A dynamic-activation FP8 Linear, inputs [3, 2, K] (SiLU·mul: [3, 2, 2K]), the norm and residual if asked."""
+    torch.manual_seed(k + n + 2 * bias + residual)
+    linear = Fp8Linear(k, n, bias, block, bias_dtype=torch.bfloat16)
+    linear.weight.data, linear.weight_scale_inv.data = quantize_fp8(torch.randn(n, k) / k**0.5, block)
+    if bias:
+        linear.bias.data = torch.randn(n).bfloat16()
+    linear.dynamic_activations = True
+    x = torch.randn(3, 2, 2 * k if prologue == "silu" else k).bfloat16()
+    norm = ((torch.rand(k) + 0.5).bfloat16(), 1e-6) if prologue == "norm" else None
+    res = torch.randn(3, 2, n).bfloat16() if residual else None
+    return linear, x, norm, res
+
+
+@pytest.mark.parametrize("prologue", ["norm", "silu", "none"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+def test_triton_fp8_activation_route_quantizes_in_its_prologue_bit_for_bit(prologue, bias, residual):
+    """`run_route` on FP8_ACT_TRITON with an RMSNorm / SiLU·mul (or no) prologue: the bits of the unfused chain,
+    the residual added in the kernel without a bias and after it with one."""
+    linear, x, norm, res = fp8_activation_case(prologue, bias, residual, 200, 72, (16, 32))
+    route = Route(Kernel.FP8_ACT_TRITON, 6)
+    got = run_route(route, x, linear, norm=norm, silu_mul=prologue == "silu", residual=res)
+    want = unfused_fp8_activation_linear(route.kernel, x, linear, norm, prologue == "silu", res, 6)
+    assert got.shape == (3, 2, 72) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(-1, 72), want)
+
+
+@pytest.mark.parametrize("prologue", ["norm", "silu", "none"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+def test_cublaslt_fp8_activation_route_hands_its_gemm_the_unfused_operands(monkeypatch, prologue, bias, residual):
+    """FP8_ACT_CUBLASLT without CUDA: cuBLASLt's GEMM (`block_scaled_matmul`) replaced by the fp32 product of its
+    dequantized operands, which checks the layout it is handed (`run_rows` tall, column-major scales); the route
+    with its prologue fused gives the unfused chain's bits (tests/gpu/test_fp8_on_cuda.py runs cuBLASLt itself)."""
+
+    def product(q, q_scale, weight, scale, dtype, rows):
+        assert q.shape[0] == q_scale.shape[0] == 8 and q_scale.stride() == (1, 8)
+        x = (q[:rows].float().view(rows, -1, 128) * q_scale[:rows, :, None]).flatten(1)
+        return (x @ dequantize_fp8(weight, scale, (128, 128), torch.float32).T).to(dtype)
+
+    monkeypatch.setattr("hsmc.ops.fp8_gemm.block_scaled_matmul", product)
+    monkeypatch.setattr("hsmc.ops.triton_backend.block_scaled_matmul", product)
+    linear, x, norm, res = fp8_activation_case(prologue, bias, residual, 256, 128, (128, 128))
+    route = Route(Kernel.FP8_ACT_CUBLASLT, 8)
+    got = run_route(route, x, linear, norm=norm, silu_mul=prologue == "silu", residual=res)
+    want = unfused_fp8_activation_linear(route.kernel, x, linear, norm, prologue == "silu", res, 8)
+    assert got.shape == (3, 2, 128) and torch.equal(got.view(-1, 128), want)
 
 
 def test_fp8_activations_quantize_inputs_of_two_or_more_rows():

@@ -3,7 +3,9 @@
 - weight-only (`fp8_gemm`): each FP8 tile converted to the activations' dtype (exact) on the tensor cores, the
   product scaled per K tile; it keeps the weight read halved, which is what few rows are bound by.
 - FP8 activations (`w8a8_gemm`, `engine.fp8_activations`): rows quantized to e4m3 per 128 columns
-  (`quantize_groups`, the checkpoints' `activation_scheme: dynamic`), both operands on the FP8 tensor cores.
+  (`quantize_groups`, the checkpoints' `activation_scheme: dynamic`), both operands on the FP8 tensor cores. After
+  an RMSNorm or SiLU·mul the quantizer is that kernel too (`rms_norm_quantize`, `silu_mul_quantize`: the same
+  bits, without writing the bf16 rows and reading them back).
 - the same in cuBLASLt (`block_scaled_gemm`): its pipelined block-scaled kernel reaches the compute bound at many
   rows, where the Triton kernel, scaling each K tile before the next dot, does not.
 
@@ -19,7 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from hsmc.ops.fused import rms_norm_row, rms_norm_warps, silu_mul_cols
+from hsmc.ops.pdl import pdl_launch
 from hsmc.ops.split_k import finish, multiprocessors, splits_to_fill, sum_splits
+from hsmc.ops.tiles import round_to
 
 
 @dataclass(frozen=True)
@@ -156,21 +161,87 @@ def dequantize_fp8_triton(
 
 
 @triton.jit
+def _store_quantized(x, q_ptr, s_ptr, row, first, K, stride_sm, stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """Row `row`'s fp32 values x [GROUPS * GROUP] from group `first` on (zeros past K) stored as e4m3, each group
+    scaled so that its largest magnitude maps to e4m3's 448 (an all-zero group: scale fp32's tiny), and the scales.
+    The codes go through a [GROUPS, GROUP] pointer tile: Triton's coalescing gives a load the widest vector of the
+    accesses of its shape that it shares a slice with, so a flat one-byte store would widen a fused norm's row load
+    and reorder its sum of squares away from `fused.rms_norm`'s."""
+    x = tl.reshape(x, (GROUPS, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1.1754943508222875e-38)
+    q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
+    groups = first + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    tl.store(q_ptr + row * K + cols, q, mask=cols < K)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < tl.cdiv(K, GROUP))
+
+
+@triton.jit
 def _quantize_groups_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_sm, stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr
 ):
-    """GROUPS groups of GROUP columns of one row, each scaled so that its largest magnitude maps to e4m3's 448."""
+    """GROUPS groups of GROUP columns of one row."""
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * GROUPS
     cols = first * GROUP + tl.arange(0, GROUPS * GROUP)
-    ok = cols < K
-    x = tl.reshape(tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32), (GROUPS, GROUP))
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1.1754943508222875e-38)  # all-zero group: scale tiny
-    q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
-    tl.store(q_ptr + row * K + cols, tl.reshape(q, (GROUPS * GROUP,)), mask=ok)
-    groups = first + tl.arange(0, GROUPS)
-    n_groups = tl.cdiv(K, GROUP)
-    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < n_groups)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+    _store_quantized(x, q_ptr, s_ptr, row, first, K, stride_sm, stride_sg, GROUP, GROUPS)
+
+
+@triton.jit
+def _rms_norm_quantize_kernel(
+    x_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    eps,
+    stride_sm,
+    stride_sg,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One whole row (the norm sums its squares): `fused.rms_norm`'s values, rounded as it stores them."""
+    if USE_PDL:  # it takes the place of the norm, a PDL kernel: it may start before its input is written
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    dtype = x_ptr.dtype.element_ty
+    y = round_to(rms_norm_row(x_ptr, w_ptr, row, K, eps, dtype, BLOCK), dtype)
+    _store_quantized(y, q_ptr, s_ptr, row, 0, K, stride_sm, stride_sg, GROUP, BLOCK // GROUP)
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(
+    gate_up_ptr, q_ptr, s_ptr, K, stride_sm, stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """GROUPS groups of GROUP columns of one row: `fused.silu_mul`'s values, rounded as it stores them."""
+    if USE_PDL:  # as `_rms_norm_quantize_kernel`
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * GROUPS
+    cols = first * GROUP + tl.arange(0, GROUPS * GROUP)
+    dtype = gate_up_ptr.dtype.element_ty
+    y = round_to(silu_mul_cols(gate_up_ptr, row, cols, K, dtype), dtype)
+    _store_quantized(y, q_ptr, s_ptr, row, first, K, stride_sm, stride_sg, GROUP, GROUPS)
+
+
+def _quantized_rows(
+    m: int, k: int, group: int, rows: int | None, column_major_scales: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unset outputs of a quantizer of m rows (see `quantize_groups`)."""
+    rows = rows or m
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device)
+    n_groups = triton.cdiv(k, group)
+    if column_major_scales:
+        return q, torch.empty(n_groups, rows, dtype=torch.float32, device=device).t()
+    return q, torch.empty(rows, n_groups, dtype=torch.float32, device=device)
+
+
+def _groups_per_program(group: int) -> int:
+    return max(1, min(8, 1024 // group))
 
 
 def quantize_groups(
@@ -181,17 +252,48 @@ def quantize_groups(
     unset; `column_major_scales` writes the scales with strides (1, rows), as cuBLASLt's block-scaled GEMM reads
     them (no transposing copy)."""
     m, k = x.shape
-    rows = rows or m
-    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    n_groups = triton.cdiv(k, group)
-    if column_major_scales:
-        scale = torch.empty(n_groups, rows, dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
-    groups = max(1, min(8, 1024 // group))
+    q, scale = _quantized_rows(m, k, group, rows, column_major_scales, x.device)
+    groups = _groups_per_program(group)
     _quantize_groups_kernel[(m, triton.cdiv(k, group * groups))](
         x, q, scale, k, x.stride(0), scale.stride(0), scale.stride(1), GROUP=group, GROUPS=groups, num_warps=4
     )
+    return q, scale
+
+
+def rms_norm_quantize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group: int,
+    rows: int | None = None,
+    column_major_scales: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_groups(fused.rms_norm(x, weight, eps), ...)` in one kernel, bit for bit: the normalized rows
+    never go through memory. x [..., K] (rows flattened); one program per row."""
+    k = x.shape[-1]
+    x = x.reshape(-1, k).contiguous()
+    q, scale = _quantized_rows(x.shape[0], k, group, rows, column_major_scales, x.device)
+    block = max(triton.next_power_of_2(k), group)  # `fused.rms_norm`'s block (and sum order) where K >= group
+    _rms_norm_quantize_kernel[(x.shape[0],)](
+        x, weight, q, scale, k, eps, scale.stride(0), scale.stride(1), GROUP=group, BLOCK=block,
+        num_warps=rms_norm_warps(block), **pdl_launch(x.device),
+    )  # fmt: skip
+    return q, scale
+
+
+def silu_mul_quantize(
+    gate_up: torch.Tensor, group: int, rows: int | None = None, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_groups(fused.silu_mul(gate_up), ...)` in one kernel, bit for bit: gate_up [..., 2K] = [gate | up]
+    (rows flattened)."""
+    k = gate_up.shape[-1] // 2
+    flat = gate_up.reshape(-1, 2 * k).contiguous()
+    q, scale = _quantized_rows(flat.shape[0], k, group, rows, column_major_scales, flat.device)
+    groups = _groups_per_program(group)
+    _silu_mul_quantize_kernel[(flat.shape[0], triton.cdiv(k, group * groups))](
+        flat, q, scale, k, scale.stride(0), scale.stride(1), GROUP=group, GROUPS=groups, num_warps=4,
+        **pdl_launch(flat.device),
+    )  # fmt: skip
     return q, scale
 
 
@@ -345,10 +447,20 @@ def block_scaled_supported(n: int, k: int, block: tuple[int, int], dtype: torch.
     return block == BLOCK_SCALED and dtype == torch.bfloat16 and n % 128 == 0 and k % (4 * 128) == 0
 
 
+def block_scaled_matmul(
+    q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int
+) -> torch.Tensor:
+    """(q * q_scale) @ dequant(weight [N, K] e4m3, scale [N/128, K/128])^T in cuBLASLt (`torch._scaled_mm`, CUDA
+    only): q [run_rows, K] e4m3 with its scales per row and 128 columns column-major (`quantize_groups(...,
+    run_rows, column_major_scales=True)`: row counts cuBLASLt refuses are padded); the first `rows` rows, in
+    `dtype`."""
+    out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.t(), out_dtype=dtype)
+    return out[:rows]
+
+
 def block_scaled_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, run_rows: int) -> torch.Tensor:
     """x [M, K] bf16 @ dequant(weight [N, K] e4m3, scale [N/128, K/128])^T with x quantized per row and 128 columns,
-    in cuBLASLt (`torch._scaled_mm`, CUDA only): [M, N] bf16, computed over `run_rows` >= M rows (row counts
-    cuBLASLt refuses are padded; the extra rows are never read)."""
+    in cuBLASLt (`block_scaled_matmul`): [M, N] bf16, computed over `run_rows` >= M rows (the extra rows are never
+    read)."""
     q, q_scale = quantize_groups(x.contiguous(), BLOCK_SCALED[1], run_rows, column_major_scales=True)
-    out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.t(), out_dtype=x.dtype)
-    return out[: x.shape[0]]
+    return block_scaled_matmul(q, q_scale, weight, scale, x.dtype, x.shape[0])

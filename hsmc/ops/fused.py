@@ -15,19 +15,34 @@ from hsmc.ops.tiles import round_to
 
 
 @triton.jit
+def rms_norm_row(x_ptr, w_ptr, row, N, eps, dtype: tl.constexpr, BLOCK: tl.constexpr):
+    """RMSNorm(x) * weight over row `row`'s columns arange(BLOCK) (zeros past N) in fp32, before its last rounding
+    to `dtype` (the caller's: a store or `round_to`). Shared with the quantizing norm (`fp8_gemm`), which must sum
+    the squares in the same order to give the same bits."""
+    cols = tl.arange(0, BLOCK)
+    valid = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=valid, other=0.0).to(tl.float32)
+    variance = tl.sum(x * x, 0) / N
+    h = round_to(x * tl.rsqrt(variance + eps), dtype)
+    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    return h * w
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    valid = cols < N
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * N + cols, mask=valid, other=0.0).to(tl.float32)
-    variance = tl.sum(x * x, 0) / N
-    h = round_to(x * tl.rsqrt(variance + eps), dtype)
-    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (h * w).to(dtype), mask=valid)
+    y = rms_norm_row(x_ptr, w_ptr, row, N, eps, dtype, BLOCK)
+    tl.store(out_ptr + row * N + cols, y.to(dtype), mask=cols < N)
+
+
+def rms_norm_warps(block: int) -> int:
+    """The warps of a norm over a row of `block` (a power of two) columns: they fix the order of its sum."""
+    return min(16, max(1, block // 512))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,9 +52,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     out = torch.empty_like(x2) if out is None else out
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, out, n, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device)
+        x2, weight, out, n, eps, BLOCK=block, num_warps=rms_norm_warps(block), **pdl_launch(x.device)
     )
     return out.view(x.shape)
+
+
+@triton.jit
+def silu_mul_cols(gate_up_ptr, row, cols, inner, dtype: tl.constexpr):
+    """silu(gate) * up at columns `cols` of row `row` of [gate | up] (zeros past `inner`) in fp32, before its last
+    rounding to `dtype` (the caller's); shared with the quantizing SiLU·mul (`fp8_gemm`)."""
+    valid = cols < inner
+    gate = tl.load(gate_up_ptr + row * 2 * inner + cols, mask=valid, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * inner + inner + cols, mask=valid, other=0.0).to(tl.float32)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    return silu * up
 
 
 @triton.jit
@@ -49,12 +75,9 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr, USE_PDL: 
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    valid = cols < inner
     dtype = out_ptr.dtype.element_ty
-    gate = tl.load(gate_up_ptr + row * 2 * inner + cols, mask=valid, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * 2 * inner + inner + cols, mask=valid, other=0.0).to(tl.float32)
-    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * inner + cols, (silu * up).to(dtype), mask=valid)
+    y = silu_mul_cols(gate_up_ptr, row, cols, inner, dtype)
+    tl.store(out_ptr + row * inner + cols, y.to(dtype), mask=cols < inner)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

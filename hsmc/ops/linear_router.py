@@ -33,8 +33,8 @@ class Kernel(str, Enum):
     BLAS = "blas"  # torch's GEMM on dense weights, in cuBLAS or cuBLASLt
     FP8_TRITON = "fp8_triton"  # fp8_gemm: FP8 weights, activations in the model's dtype
     FP8_DEQUANTIZED = "fp8_dequantized"  # the weight dequantized, then torch's GEMM (many rows; the CPU)
-    FP8_ACT_TRITON = "fp8_act_triton"  # quantize_groups + w8a8_matmul: FP8 x FP8 in Triton
-    FP8_ACT_CUBLASLT = "fp8_act_cublaslt"  # quantize_groups + torch._scaled_mm block-scaled in cuBLASLt
+    FP8_ACT_TRITON = "fp8_act_triton"  # quantize_groups (in the prologue's kernel) + w8a8_matmul: FP8 x FP8 in Triton
+    FP8_ACT_CUBLASLT = "fp8_act_cublaslt"  # the same quantizers + block_scaled_matmul (cuBLASLt's block-scaled GEMM)
     FP8_ACT_REFERENCE = "fp8_act_reference"  # quantize_activations + the dequantized GEMM (the CPU)
 
 

@@ -19,7 +19,14 @@ from hsmc.ops.backend import BAD_ROLLBACK, OUT_OF_SLOTS, OVER_RELEASED, ROW_OVER
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.decode_linear import decode_linear
 from hsmc.ops.few_row_linear import few_row_linear
-from hsmc.ops.fp8_gemm import block_scaled_gemm, fp8_gemm, w8a8_gemm
+from hsmc.ops.fp8_gemm import (
+    block_scaled_matmul,
+    fp8_gemm,
+    quantize_groups,
+    rms_norm_quantize,
+    silu_mul_quantize,
+    w8a8_matmul,
+)
 from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_activations
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.linear_router import Kernel, Route, router_for
@@ -167,17 +174,58 @@ def run_route(
         )
     n, k = linear.weight.shape
     rows = x.numel() // x.shape[-1]
+    residual = residual.reshape(rows, n) if residual is not None else None
+    if route.kernel in (Kernel.FP8_ACT_TRITON, Kernel.FP8_ACT_CUBLASLT):
+        q, q_scale = _quantized_prologue(route, x, linear, norm, silu_mul)
+        out = _fp8_act_gemm(route, q, q_scale, linear, x.dtype, rows, residual)
+        return out.view(*x.shape[:-1], n)
     if norm is not None:  # into the first rows of a buffer of the route's rows: the rest is never read back
         inputs = x.new_empty(route.run_rows if route.kernel is Kernel.BLAS else rows, k)
         fused.rms_norm(x, *norm, out=inputs[:rows])
     else:
         inputs = fused.silu_mul(x.contiguous()) if silu_mul else x
-    out = _gemm(route, inputs.reshape(-1, k), linear, residual.reshape(rows, n) if residual is not None else None)
+    out = _gemm(route, inputs.reshape(-1, k), linear, residual)
     return out[:rows].view(*x.shape[:-1], n)
 
 
+def _quantized_prologue(
+    route: Route, x: torch.Tensor, linear: nn.Module, norm: tuple[torch.Tensor, float] | None, silu_mul: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """prologue(x) (x without one) quantized per row and scale block of columns, in the prologue's kernel where
+    there is one (the normalized or gated rows never go through memory in bf16): e4m3 rows and their scales laid
+    out for the route's GEMM (cuBLASLt: `run_rows` tall, column-major scales)."""
+    group = linear.block[1]
+    layout = dict(rows=route.run_rows, column_major_scales=route.kernel is Kernel.FP8_ACT_CUBLASLT)
+    if norm is not None:
+        return rms_norm_quantize(x, *norm, group, **layout)
+    if silu_mul:
+        return silu_mul_quantize(x, group, **layout)
+    return quantize_groups(x.reshape(-1, x.shape[-1]).contiguous(), group, **layout)
+
+
+def _fp8_act_gemm(
+    route: Route,
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    linear: nn.Module,
+    dtype: torch.dtype,
+    rows: int,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """[residual +] (q * q_scale) @ weight^T [+ bias] in `dtype` for the FP8-activation routes: [rows, N]."""
+    weight, scale, bias = linear.weight, linear.weight_scale_inv, linear.bias
+    if route.kernel is Kernel.FP8_ACT_TRITON:
+        if bias is None:  # the kernel adds the residual as it rounds
+            return w8a8_matmul(q, q_scale, weight, scale, linear.block, dtype, residual=residual)
+        out = w8a8_matmul(q, q_scale, weight, scale, linear.block, dtype) + bias
+    else:
+        out = block_scaled_matmul(q, q_scale, weight, scale, dtype, rows)
+        out = out + bias if bias is not None else out
+    return out if residual is None else residual + out
+
+
 def _gemm(route: Route, x: torch.Tensor, linear: nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
-    """[residual +] x @ weight^T [+ bias] for the GEMM routes, x [rows, K] (BLAS: [run_rows, K])."""
+    """[residual +] x @ weight^T [+ bias] for the GEMM routes of dense inputs, x [rows, K] (BLAS: [run_rows, K])."""
     kernel, bias = route.kernel, linear.bias
     if kernel is Kernel.BLAS:
         with _blas_library(route.cublaslt):
@@ -188,14 +236,10 @@ def _gemm(route: Route, x: torch.Tensor, linear: nn.Module, residual: torch.Tens
             # cuBLAS accumulates into the (consumed) residual in place: `addmm` would first copy it
             return residual.addmm_(x, linear.weight.t())
     weight, scale, block = linear.weight, linear.weight_scale_inv, linear.block
-    if kernel in (Kernel.FP8_TRITON, Kernel.FP8_ACT_TRITON):
-        gemm = fp8_gemm if kernel is Kernel.FP8_TRITON else w8a8_gemm
+    if kernel is Kernel.FP8_TRITON:
         if bias is None:  # the kernel adds the residual as it rounds
-            return gemm(x, weight, scale, block, residual=residual)
-        out = gemm(x, weight, scale, block) + bias
-    elif kernel is Kernel.FP8_ACT_CUBLASLT:
-        out = block_scaled_gemm(x, weight, scale, route.run_rows)
-        out = out + bias if bias is not None else out
+            return fp8_gemm(x, weight, scale, block, residual=residual)
+        out = fp8_gemm(x, weight, scale, block) + bias
     else:  # FP8_DEQUANTIZED, FP8_ACT_REFERENCE
         x = quantize_activations(x, block[1]) if kernel is Kernel.FP8_ACT_REFERENCE else x
         out = F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)

@@ -13,8 +13,11 @@ import torch
 from test_eagle_checkpoint import published_layout
 from test_fp8 import reference_groups
 
+from hsmc.ops import fused
+from hsmc.ops.fp8_gemm import block_scaled_gemm, quantize_groups, rms_norm_quantize, silu_mul_quantize, w8a8_gemm
 from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, dequantize_fp8, quantize_activations, quantize_fp8
-from hsmc.ops.triton_backend import TritonBackend
+from hsmc.ops.linear_router import Kernel, Route
+from hsmc.ops.triton_backend import TritonBackend, run_route
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -25,8 +28,6 @@ H100_BYTES = 79 * 2**30  # what an H100 80 GB leaves to a process
 def test_quantize_groups_is_bit_equal_to_its_definition():
     """Rows whose magnitudes span 1e-4..1e3 (every binade of e4m3's scale), 200 groups of 128 per row: the same
     scales and the same e4m3 codes as the torch definition (`quantize_activations`' rounding)."""
-    from hsmc.ops.fp8_gemm import quantize_groups
-
     gen = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(64, 25600, device="cuda", generator=gen) * torch.logspace(-4, 3, 64, device="cuda")[:, None]
     x = x.bfloat16()
@@ -34,6 +35,30 @@ def test_quantize_groups_is_bit_equal_to_its_definition():
     want_q, want_scale = reference_groups(x.float(), 128)
     assert torch.equal(scale, want_scale)
     assert torch.equal(q.float(), want_q.float())
+
+
+@pytest.mark.parametrize(
+    "prologue, k", [("norm", 4096), ("norm", 5120), ("norm", 8192), ("silu", 12288), ("silu", 25600)]
+)
+def test_fused_quantizers_are_bit_equal_to_their_prologue_then_quantize_groups(prologue, k):
+    """Compiled, at the Qwen3 hidden and intermediate sizes: `rms_norm_quantize` sums each row's squares in
+    `fused.rms_norm`'s order (the same block, warps and load vectors), and both give the e4m3 codes and scales of
+    the prologue's bf16 rows quantized by `quantize_groups`; 144 rows padded to 160, scales column-major."""
+    gen = torch.Generator("cuda").manual_seed(k)
+    width = 2 * k if prologue == "silu" else k
+    x = torch.randn(144, width, device="cuda", generator=gen) * torch.logspace(-3, 1, 144, device="cuda")[:, None]
+    x = x.bfloat16()
+    if prologue == "norm":
+        weight = (torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16()
+        q, scale = rms_norm_quantize(x, weight, 1e-6, 128, 160, column_major_scales=True)
+        h = fused.rms_norm(x, weight, 1e-6)
+    else:
+        q, scale = silu_mul_quantize(x, 128, 160, column_major_scales=True)
+        h = fused.silu_mul(x)
+    want_q, want_scale = quantize_groups(h, 128, 160, column_major_scales=True)
+    assert scale.stride() == want_scale.stride() == (1, 160)
+    assert torch.equal(q[:144].view(torch.uint8), want_q[:144].view(torch.uint8))
+    assert torch.equal(scale[:144], want_scale[:144])
 
 
 @pytest.fixture(scope="module", params=list(LINEARS_32B))
@@ -75,6 +100,36 @@ def test_fp8_activation_gemm_equals_the_product_of_quantized_operands(linear_32b
     want = quantize_activations(x.float(), 128) @ dense.T
     assert relative_error(got, want) < ROUNDING
     assert relative_error(got, x.float() @ dense.T) > ROUNDING  # quantized (measured 1.2e-2..2.6e-2 off the bf16 input)
+
+
+PROLOGUES_32B = {"qkv": "norm", "o": None, "gate_up": "norm", "down": "silu"}  # o and down add the residual
+
+
+@pytest.mark.parametrize("kernel", [Kernel.FP8_ACT_TRITON, Kernel.FP8_ACT_CUBLASLT], ids=["triton", "cublaslt"])
+@pytest.mark.parametrize("rows", [2, 144, 1152])
+def test_fp8_activation_routes_with_a_fused_prologue_give_the_unfused_bits(linear_32b, kernel, rows):
+    """Each FP8-activation route on the 32B's Linears, its quantizer in the RMSNorm / SiLU·mul kernel, against
+    the kernels it replaces (the prologue writing bf16 rows, `quantize_groups`, the same GEMM): equal bits.
+    cuBLASLt runs 16-row multiples (every row multiple it accepts divides 16)."""
+    if kernel is Kernel.FP8_ACT_CUBLASLT and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuBLASLt's block-scaled FP8 GEMM needs compute capability 9.0 or newer")
+    w, s, _ = linear_32b
+    n, k = w.shape
+    prologue = PROLOGUES_32B[next(name for name, shape in LINEARS_32B.items() if shape == (n, k))]
+    gen = torch.Generator("cuda").manual_seed(rows)
+    x = torch.randn(rows, 2 * k if prologue == "silu" else k, device="cuda", generator=gen).bfloat16()
+    norm = ((torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16(), 1e-6) if prologue == "norm" else None
+    residual = None if norm else torch.randn(rows, n, device="cuda", generator=gen).bfloat16()
+    linear = Fp8Linear.of(w, s, QWEN_BLOCK, dynamic_activations=True)
+    route = Route(kernel, -(-rows // 16) * 16 if kernel is Kernel.FP8_ACT_CUBLASLT else rows)
+    got = run_route(route, x, linear, norm=norm, silu_mul=prologue == "silu", residual=residual)
+    h = fused.rms_norm(x, *norm) if norm else fused.silu_mul(x) if prologue == "silu" else x
+    if kernel is Kernel.FP8_ACT_TRITON:
+        want = w8a8_gemm(h, w, s, QWEN_BLOCK, residual=residual)
+    else:
+        want = block_scaled_gemm(h, w, s, route.run_rows)
+        want = want if residual is None else residual + want
+    assert torch.equal(got, want)
 
 
 @pytest.fixture
