@@ -112,6 +112,18 @@ def test_tuning_routes_dense_linears(monkeypatch):
     assert route(router, 72, gate_up) == Route(Kernel.BLAS, 72)  # no norm to write the extra rows
 
 
+def test_fp32_rows_skip_the_few_row_kernel(monkeypatch):
+    """fp32 dots run exactly (IEEE), off the tensor cores the few-row kernel is built on: 2..32 fp32 rows go to the
+    GEMM even where the tuning holds a few-row plan for the shape; one row keeps the one-row kernel."""
+    monkeypatch.setattr(split_k, "multiprocessors", lambda device: 132)
+    router = LinearRouter(TUNED, CUDA)
+    qkv_8b = dense(6144, 4096)
+    assert route(router, 1, qkv_8b, dtype=torch.float32) == Route(Kernel.ONE_ROW, 1)
+    for rows in (2, 8, 16, 24, 32):
+        assert route(router, rows, qkv_8b, dtype=torch.float32) == Route(Kernel.BLAS, rows)
+        assert route(router, rows, qkv_8b).kernel is Kernel.FEW_ROWS
+
+
 def test_tuning_routes_fp8_linears():
     """FP8 weights: one row weight-only in the one-row kernel; with FP8 activations the Triton GEMM on few rows and
     cuBLASLt's block-scaled GEMM from the tuning's 144 rows, padded to its row multiple, where the weight's layout

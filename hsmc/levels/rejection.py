@@ -182,11 +182,8 @@ class RejectionLevel:
                 choice = 1  # the drafter may leave no more tokens waiting (an EAGLE3 head's feature window)
             self._take(*self.draft_length.shape(choice))
             self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
-        base = self.state.seq_len[rows]
-        accepted, _ = self._cycle(rows)
-        tokens = self.state.window(rows, base, accepted + 1, self.gamma + 1)
-        self.acknowledged[rows] = self.state.seq_len[rows]
-        return Emission(tokens, accepted + 1, choice)
+        tokens, count = self._emitted(rows) if self.rounds is None else self._unit()(rows, None, emit=True)
+        return Emission(tokens, count, choice)
 
     def observe(self, arm: int, accepted: list[int]) -> None:
         """A step's read: each row kept `accepted` of the drafts of `draft_length`'s arm `arm`."""
@@ -272,16 +269,32 @@ class RejectionLevel:
         """One round (`_round`), replayed from a CUDA graph with `graph_rounds` (then without its distributions)."""
         if self.rounds is None:
             return self._round(rows, active)
+        return self._unit()(rows, active), None
+
+    def _unit(self) -> Graphs:
+        """The graphed unit of the next round: rounds of γ = 0 have their own (`bare_rounds`)."""
         bare = self.gamma == 0 and self.tree is None and self.bare_rounds is not None
         if not bare and self.bare_rounds is not None:
             _loosen(self.waiting)
-        unit = self.bare_rounds if bare else self.rounds
-        return unit(rows, active), None
+        return self.bare_rounds if bare else self.rounds
 
-    def _kept(self, rows: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+    def _kept(
+        self, rows: torch.Tensor, active: torch.Tensor | None = None, emit: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A round's kept-draft counts alone: a graph keeps its outputs alive (the distributions would be
-        R x (γ+1) x vocab floats per captured shape), and only a level drafting for another reads them."""
-        return self._round(rows, active)[0]
+        R x (γ+1) x vocab floats per captured shape), and only a level drafting for another reads them. `emit`
+        (a top's step): what the round emits instead (`_emitted`)."""
+        return self._emitted(rows) if emit else self._round(rows, active)[0]
+
+    def _emitted(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A top's step: one round, then its tokens [R, γ+1] (0 past each row's count) and their count [R], the
+        rows' new tokens acknowledged. Inside the round's graph, so a step costs one replay on the host, as a
+        model top's does, not one plus a launch for each of these small ops."""
+        base = self.state.seq_len[rows]
+        accepted = self._round(rows)[0]
+        tokens = self.state.window(rows, base, accepted + 1, self.gamma + 1)
+        self.acknowledged[rows] = self.state.seq_len[rows]
+        return tokens, accepted + 1
 
     def _round(
         self, rows: torch.Tensor, active: torch.Tensor | None = None

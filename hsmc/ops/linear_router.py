@@ -71,14 +71,16 @@ class LinearRouter:
             route = self._routes[key] = (
                 self._fp8(rows, n, k, linear.block, linear.dynamic_activations, dtype)
                 if fp8
-                else self._dense(rows, n, k, norm_fed)
+                else self._dense(rows, n, k, norm_fed, dtype)
             )
         return route
 
-    def _dense(self, rows: int, n: int, k: int, norm_fed: bool) -> Route:
+    def _dense(self, rows: int, n: int, k: int, norm_fed: bool, dtype: torch.dtype) -> Route:
         if rows == 1:
             return Route(Kernel.ONE_ROW, 1, one_row_plan=self.tuning.one_row_plans.get((n, k)))
-        if rows <= MAX_ROWS:
+        # fp32 rows multiply exactly (IEEE), off the tensor cores: the few-row kernel's premise is gone, and on an
+        # H200 it took 25 us a SmolLM2 Linear (with its split-K sum) where cuBLAS's SGEMM takes ~5
+        if rows <= MAX_ROWS and dtype != torch.float32:
             plan = self.tuning.few_row_plans.get((n, k, 16 if rows <= 16 else 32))
             if rows <= FEW_ROWS_WITHOUT_PLAN:
                 return Route(Kernel.FEW_ROWS, rows, few_row_plan=plan or default_few_row_plan(n, k, self.device))
