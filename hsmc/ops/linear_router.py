@@ -78,8 +78,8 @@ class LinearRouter:
     def _dense(self, rows: int, n: int, k: int, norm_fed: bool, dtype: torch.dtype) -> Route:
         if rows == 1:
             return Route(Kernel.ONE_ROW, 1, one_row_plan=self.tuning.one_row_plans.get((n, k)))
-        # fp32 rows multiply exactly (IEEE), off the tensor cores: the few-row kernel's premise is gone, and on an
-        # H200 it took 25 us a SmolLM2 Linear (with its split-K sum) where cuBLAS's SGEMM takes ~5
+        # fp32 rows multiply exactly (IEEE), off the tensor cores the few-row kernel is built on: on an H200 it took
+        # 25 us a SmolLM2 Linear with its split-K sum, cuBLAS's SGEMM 5.6-9.3 (2026-11-28-h200-fp32-rows-step-unit.txt)
         if rows <= MAX_ROWS and dtype != torch.float32:
             plan = self.tuning.few_row_plans.get((n, k, 16 if rows <= 16 else 32))
             if rows <= FEW_ROWS_WITHOUT_PLAN:
