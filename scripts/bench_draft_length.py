@@ -12,6 +12,11 @@ Prints the device, the target-alone baseline, each setting's decode tok/s (the p
 end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length, mean γ, both
 ratios to the baseline, and the noise: the range of each pass's decode ratio to the target alone's pass of the same
 round (for the target alone, of its passes against their median).
+
+`--explain` prints instead where auto's floor goes, a round of γ = 0 against the target's step: per token, the
+wall time (graphed on CUDA) and the kernels of an eager decoder under torch.profiler (CUDA) or the aten ops of the
+top's steps (CPU), their count and summed time, and those that differ most from the target alone's (by time on
+CUDA, by count on the CPU, where an op's time is mostly the machine's noise).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def main() -> None:
     parser.add_argument("--gammas", nargs="+", default=["2", "4", "auto"], help="fixed γs, auto, tree-auto")
     parser.add_argument("--drafters", nargs="+", default=["self-draft", "eagle3"], choices=["self-draft", "eagle3"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--explain", action="store_true", help="where a round of γ = 0 goes (see above)")
     args = parser.parse_args()
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
     if args.device == "cuda":
@@ -77,6 +83,8 @@ def main() -> None:
     else:
         cpu = platform.processor() or platform.machine()
         device = f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    if args.explain:
+        return _explain(args, questions[0], device)
     print(f"device: {device}; SmolLM2-135M-Instruct fp32, batch 1, {len(questions)} GSM8K questions x "
           f"{args.new_tokens} new tokens, median of {args.repeats} passes")  # fmt: skip
     print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
@@ -125,6 +133,119 @@ def main() -> None:
                           + f"; the drafters' catch-up {choice.catch_up(rows):.2f} ms a round; a probe {probes}",
                           flush=True)  # fmt: skip
             decoder.close()
+
+
+def _explain(args: argparse.Namespace, question: str, device: str) -> None:
+    cuda = args.device == "cuda"
+    n = args.new_tokens
+    counted = "kernels of an eager decoder" if cuda else "ops of the top's steps"
+    print(
+        f"device: {device}; SmolLM2-135M-Instruct fp32, batch 1, the first GSM8K question, per token of {n} - 1 "
+        f"new tokens; auto's γ forced to 0; {counted}"
+    )
+    for temperature in args.temperature:
+        ops = {}
+        for drafter in [None, *args.drafters]:
+            gamma = "auto" if drafter is not None else 0
+            timed = _forced(drafter, gamma, temperature, args.device, graphs=True)
+            wall = statistics.median(_ms_per_token(timed, question, n, cuda) for _ in range(1 + args.repeats)[1:])
+            eager = timed
+            if cuda:  # the kernels of a replayed graph are not the profiler's to see one by one
+                timed.close()
+                eager = _forced(drafter, gamma, temperature, args.device, graphs=False)
+                _ms_per_token(eager, question, n, cuda)  # warm-up
+            ops[drafter] = _per_token_ops(eager, question, n, cuda)
+            eager.close()
+            count, ms = sum(c for c, _ in ops[drafter].values()), sum(t for _, t in ops[drafter].values())
+            print(
+                f"T={temperature:g} {drafter or 'none':>10}: {'graphed' if cuda else 'wall'} {wall:.3f} ms/token; "
+                f"eager {count:.0f} {'kernels' if cuda else 'ops'}/token summing {ms:.3f} ms",
+                flush=True,
+            )
+            if drafter is not None:
+                names = set(ops[drafter]) | set(ops[None])
+                diff = {k: _per_token(ops[drafter].get(k, (0, 0.0)), ops[None].get(k, (0, 0.0)), 1) for k in names}
+                for name, (c, t) in sorted(diff.items(), key=lambda kv: -abs(kv[1][1 if cuda else 0]))[:12]:
+                    print(f"      {name[:72]:72} {c:+7.1f}/token {t * 1e3:+8.1f} us/token")
+
+
+def _forced(
+    drafter: str | None, gamma: int | str, temperature: float, device: str, graphs: bool
+) -> HierarchicalDecoder:
+    """A decoder whose auto takes γ = 0 every round; `graphs` False: eager (on CUDA)."""
+    engine = {"max_batch_rows": 1, "device": device}
+    if device == "cuda" and not graphs:
+        engine["cuda_graphs"] = False
+    decoder = HierarchicalDecoder.from_config({"levels": _levels(drafter, gamma, temperature), "engine": engine})
+    if drafter is not None:
+        decoder.stack.top.draft_length.forced = 0
+    return decoder
+
+
+def _ms_per_token(decoder: HierarchicalDecoder, question: str, n: int, cuda: bool) -> float:
+    """One decode of n tokens minus one of 1 (its prefill), per token."""
+    spans = []
+    for tokens in (1, n):
+        if cuda:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        decoder.generate([question], max_new_tokens=tokens, ignore_eos=True, seed=0)
+        if cuda:
+            torch.cuda.synchronize()
+        spans.append(time.perf_counter() - began)
+    return (spans[1] - spans[0]) / (n - 1) * 1e3
+
+
+def _per_token_ops(decoder: HierarchicalDecoder, question: str, n: int, cuda: bool) -> dict[str, tuple[float, float]]:
+    """Kernel (CUDA) or op (CPU) name -> (count, ms) per token: a profiled decode of n tokens minus one of 1."""
+    short, long = (
+        _kernels(decoder, question, tokens) if cuda else _ops(decoder, question, tokens) for tokens in (1, n)
+    )
+    return {k: _per_token(long[k], short.get(k, (0, 0.0)), n - 1) for k in long}
+
+
+def _kernels(decoder: HierarchicalDecoder, question: str, tokens: int) -> dict[str, tuple[int, float]]:
+    """CUDA kernels of one decode under torch.profiler (CUPTI sees the request loop's thread too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoder.generate([question], max_new_tokens=tokens, ignore_eos=True, seed=0)
+    rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()]
+    return {name: (count, us / 1e3) for name, count, us in rows if us > 0}
+
+
+def _ops(decoder: HierarchicalDecoder, question: str, tokens: int) -> dict[str, tuple[int, float]]:
+    """aten ops of the top's steps in one decode, and their time: a dispatch mode on the request loop's thread
+    (where the profiler does not look)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, tuple[int, float]] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            began = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            count, ms = seen.get(str(func), (0, 0.0))
+            seen[str(func)] = (count + 1, ms + (time.perf_counter() - began) * 1e3)
+            return out
+
+    top = decoder.stack.top
+    step = top.step
+
+    def counted(rows: torch.Tensor):  # noqa: ANN202
+        with Count():
+            return step(rows)
+
+    top.step = counted
+    try:
+        decoder.generate([question], max_new_tokens=tokens, ignore_eos=True, seed=0)
+    finally:
+        del top.step
+    return seen
+
+
+def _per_token(long: tuple[int, float], short: tuple[int, float], tokens: int) -> tuple[float, float]:
+    return (long[0] - short[0]) / tokens, (long[1] - short[1]) / tokens
 
 
 if __name__ == "__main__":
