@@ -4,10 +4,11 @@ auto must never be slower than the target alone by more than the noise, and on a
     python scripts/bench_draft_length.py [--questions 4] [--new-tokens 64] [--temperature 0 1] [--repeats 3]
         [--device cuda|cpu]
 
-Target: SmolLM2-135M-Instruct (fp32). Drafters: its first 10 of 30 layers (a 1 : 3 self-draft) and the shipped
-EAGLE3 head. Each prompt is a chat-templated GSM8K question decoded alone; tok/s is the median of `--repeats`
-passes over the questions after a warm-up pass (auto's start-up timing is not counted: it happens in the
-constructor), the passes interleaved over the settings so that a drift of the machine's speed shifts all alike.
+Target: SmolLM2-135M-Instruct (fp32, or `--dtype bfloat16`). Drafters: its first 10 of 30 layers (a 1 : 3
+self-draft) and the shipped EAGLE3 head. Each prompt is a chat-templated GSM8K question decoded alone; tok/s is the
+median of `--repeats` passes over the questions after a warm-up pass (auto's start-up timing is not counted: it
+happens in the constructor), the passes interleaved over the settings so that a drift of the machine's speed shifts
+all alike.
 Prints the device, the target-alone baseline, each setting's decode tok/s (the prefill's time subtracted) and
 end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length, mean γ, both
 ratios to the baseline, and the noise: the range of each pass's decode ratio to the target alone's pass of the same
@@ -38,14 +39,14 @@ GSM8K = ROOT / "evals" / "data" / "gsm8k_test.jsonl"
 HEAD = ROOT / "assets" / "eagle3-smollm2-135m-instruct"
 
 
-def _levels(drafter: str | None, gamma: int | str, temperature: float) -> list[dict]:
-    target = str(demo_model_folder("smollm2-135m-instruct"))
+def _levels(drafter: str | None, gamma: int | str, temperature: float, dtype: str) -> list[dict]:
+    target = {"model": str(demo_model_folder("smollm2-135m-instruct")), "dtype": dtype, "temperature": temperature}
     if drafter is None:
-        return [{"kind": "model", "model": target, "temperature": temperature}]
+        return [{"kind": "model", **target}]
     below = {"kind": "eagle3", "model": str(HEAD), "dtype": "bfloat16", "temperature": temperature}
     if drafter == "self-draft":
-        below = {"kind": "model", "model": target, "num_layers": 10, "temperature": temperature}
-    top = {"kind": "rejection", "model": target, "temperature": temperature, "num_draft_tokens": gamma}
+        below = {"kind": "model", **target, "num_layers": 10}
+    top = {"kind": "rejection", **target, "num_draft_tokens": gamma}
     if gamma == "tree-auto":  # chains and trees
         top.update(num_draft_tokens="auto", tree="auto")
     return [below, top]
@@ -75,6 +76,9 @@ def main() -> None:
     parser.add_argument("--gammas", nargs="+", default=["2", "4", "auto"], help="fixed γs, auto, tree-auto")
     parser.add_argument("--drafters", nargs="+", default=["self-draft", "eagle3"], choices=["self-draft", "eagle3"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's and self-draft's"
+    )
     parser.add_argument("--explain", action="store_true", help="where a round of γ = 0 goes (see above)")
     args = parser.parse_args()
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
@@ -85,7 +89,7 @@ def main() -> None:
         device = f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     if args.explain:
         return _explain(args, questions[0], device)
-    print(f"device: {device}; SmolLM2-135M-Instruct fp32, batch 1, {len(questions)} GSM8K questions x "
+    print(f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, {len(questions)} GSM8K questions x "
           f"{args.new_tokens} new tokens, median of {args.repeats} passes")  # fmt: skip
     print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
           f"{'accepted':>8} {'mean γ':>6}  pass by pass (decode)")  # fmt: skip
@@ -95,7 +99,10 @@ def main() -> None:
         decoders = {}
         for drafter, gamma in settings:
             decoders[drafter, gamma] = HierarchicalDecoder.from_config(
-                {"levels": _levels(drafter, gamma, temperature), "engine": {"max_batch_rows": 1, "device": args.device}}
+                {
+                    "levels": _levels(drafter, gamma, temperature, args.dtype),
+                    "engine": {"max_batch_rows": 1, "device": args.device},
+                }
             )
             _pass(decoders[drafter, gamma], questions, args.new_tokens)  # warm-up
         # passes interleaved over the settings: a drift of the machine's speed shifts every setting alike
@@ -140,19 +147,19 @@ def _explain(args: argparse.Namespace, question: str, device: str) -> None:
     n = args.new_tokens
     counted = "kernels of an eager decoder" if cuda else "ops of the top's steps"
     print(
-        f"device: {device}; SmolLM2-135M-Instruct fp32, batch 1, the first GSM8K question, per token of {n} - 1 "
-        f"new tokens; auto's γ forced to 0; {counted}"
+        f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, the first GSM8K question, per token of "
+        f"{n} - 1 new tokens; auto's γ forced to 0; {counted}"
     )
     for temperature in args.temperature:
         ops = {}
         for drafter in [None, *args.drafters]:
             gamma = "auto" if drafter is not None else 0
-            timed = _forced(drafter, gamma, temperature, args.device, graphs=True)
+            timed = _forced(drafter, gamma, temperature, args, graphs=True)
             wall = statistics.median(_ms_per_token(timed, question, n, cuda) for _ in range(1 + args.repeats)[1:])
             eager = timed
             if cuda:  # the kernels of a replayed graph are not the profiler's to see one by one
                 timed.close()
-                eager = _forced(drafter, gamma, temperature, args.device, graphs=False)
+                eager = _forced(drafter, gamma, temperature, args, graphs=False)
                 _ms_per_token(eager, question, n, cuda)  # warm-up
             ops[drafter] = _per_token_ops(eager, question, n, cuda)
             eager.close()
@@ -170,13 +177,14 @@ def _explain(args: argparse.Namespace, question: str, device: str) -> None:
 
 
 def _forced(
-    drafter: str | None, gamma: int | str, temperature: float, device: str, graphs: bool
+    drafter: str | None, gamma: int | str, temperature: float, args: argparse.Namespace, graphs: bool
 ) -> HierarchicalDecoder:
     """A decoder whose auto takes γ = 0 every round; `graphs` False: eager (on CUDA)."""
-    engine = {"max_batch_rows": 1, "device": device}
-    if device == "cuda" and not graphs:
+    engine = {"max_batch_rows": 1, "device": args.device}
+    if args.device == "cuda" and not graphs:
         engine["cuda_graphs"] = False
-    decoder = HierarchicalDecoder.from_config({"levels": _levels(drafter, gamma, temperature), "engine": engine})
+    levels = _levels(drafter, gamma, temperature, args.dtype)
+    decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": engine})
     if drafter is not None:
         decoder.stack.top.draft_length.forced = 0
     return decoder
