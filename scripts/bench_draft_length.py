@@ -15,9 +15,10 @@ ratios to the baseline, and the noise: the range of each pass's decode ratio to 
 round (for the target alone, of its passes against their median).
 
 `--explain` prints instead where auto's floor goes, a round of γ = 0 against the target's step: per token, the
-wall time (graphed on CUDA) and the kernels of an eager decoder under torch.profiler (CUDA) or the aten ops of the
-top's steps (CPU), their count and summed time, and those that differ most from the target alone's (by time on
-CUDA, by count on the CPU, where an op's time is mostly the machine's noise).
+wall time, on CUDA the time the GPU was busy (the union of the kernels' spans under torch.profiler: below the wall
+time, the host keeps the GPU waiting), and the kernels (CUDA) or the aten ops of the top's steps (CPU), their count
+and summed time, and those that differ most from the target alone's (by time on CUDA, by count on the CPU, where
+an op's time is mostly the machine's noise).
 """
 
 from __future__ import annotations
@@ -145,28 +146,23 @@ def main() -> None:
 def _explain(args: argparse.Namespace, question: str, device: str) -> None:
     cuda = args.device == "cuda"
     n = args.new_tokens
-    counted = "kernels of an eager decoder" if cuda else "ops of the top's steps"
+    counted = "kernels of the graphed decoder under torch.profiler" if cuda else "aten ops of the top's steps"
     print(
         f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, the first GSM8K question, per token of "
-        f"{n} - 1 new tokens; auto's γ forced to 0; {counted}"
+        f"{n} - 1 new tokens; auto's γ forced to 0; {counted}" + ("; busy: the union of the kernels' spans" * cuda)
     )
     for temperature in args.temperature:
         ops = {}
         for drafter in [None, *args.drafters]:
-            gamma = "auto" if drafter is not None else 0
-            timed = _forced(drafter, gamma, temperature, args, graphs=True)
-            wall = statistics.median(_ms_per_token(timed, question, n, cuda) for _ in range(1 + args.repeats)[1:])
-            eager = timed
-            if cuda:  # the kernels of a replayed graph are not the profiler's to see one by one
-                timed.close()
-                eager = _forced(drafter, gamma, temperature, args, graphs=False)
-                _ms_per_token(eager, question, n, cuda)  # warm-up
-            ops[drafter] = _per_token_ops(eager, question, n, cuda)
-            eager.close()
+            decoder = _forced(drafter, temperature, args, question)
+            wall = statistics.median(_ms_per_token(decoder, question, n, cuda) for _ in range(args.repeats))
+            ops[drafter], busy = _per_token_ops(decoder, question, n, cuda)
+            decoder.close()
             count, ms = sum(c for c, _ in ops[drafter].values()), sum(t for _, t in ops[drafter].values())
             print(
-                f"T={temperature:g} {drafter or 'none':>10}: {'graphed' if cuda else 'wall'} {wall:.3f} ms/token; "
-                f"eager {count:.0f} {'kernels' if cuda else 'ops'}/token summing {ms:.3f} ms",
+                f"T={temperature:g} {drafter or 'none':>10}: wall {wall:.3f} ms/token"
+                + (f", GPU busy {busy:.3f}" if cuda else "")
+                + f"; {count:.0f} {'kernels' if cuda else 'ops'}/token summing {ms:.3f} ms",
                 flush=True,
             )
             if drafter is not None:
@@ -176,17 +172,15 @@ def _explain(args: argparse.Namespace, question: str, device: str) -> None:
                     print(f"      {name[:72]:72} {c:+7.1f}/token {t * 1e3:+8.1f} us/token")
 
 
-def _forced(
-    drafter: str | None, gamma: int | str, temperature: float, args: argparse.Namespace, graphs: bool
-) -> HierarchicalDecoder:
-    """A decoder whose auto takes γ = 0 every round; `graphs` False: eager (on CUDA)."""
-    engine = {"max_batch_rows": 1, "device": args.device}
-    if args.device == "cuda" and not graphs:
-        engine["cuda_graphs"] = False
-    levels = _levels(drafter, gamma, temperature, args.dtype)
-    decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": engine})
+def _forced(drafter: str | None, temperature: float, args: argparse.Namespace, question: str) -> HierarchicalDecoder:
+    """The target alone, or a drafter's auto taking γ = 0 every round; warmed up."""
+    levels = _levels(drafter, "auto" if drafter is not None else 0, temperature, args.dtype)
+    decoder = HierarchicalDecoder.from_config(
+        {"levels": levels, "engine": {"max_batch_rows": 1, "device": args.device}}
+    )
     if drafter is not None:
         decoder.stack.top.draft_length.forced = 0
+    _pass(decoder, [question], args.new_tokens)
     return decoder
 
 
@@ -204,22 +198,33 @@ def _ms_per_token(decoder: HierarchicalDecoder, question: str, n: int, cuda: boo
     return (spans[1] - spans[0]) / (n - 1) * 1e3
 
 
-def _per_token_ops(decoder: HierarchicalDecoder, question: str, n: int, cuda: bool) -> dict[str, tuple[float, float]]:
-    """Kernel (CUDA) or op (CPU) name -> (count, ms) per token: a profiled decode of n tokens minus one of 1."""
-    short, long = (
-        _kernels(decoder, question, tokens) if cuda else _ops(decoder, question, tokens) for tokens in (1, n)
+def _per_token_ops(
+    decoder: HierarchicalDecoder, question: str, n: int, cuda: bool
+) -> tuple[dict[str, tuple[float, float]], float]:
+    """Kernel (CUDA) or op (CPU) name -> (count, ms) per token, and the GPU's busy ms per token (CUDA): a profiled
+    decode of n tokens minus one of 1."""
+    (short, short_busy), (long, long_busy) = (
+        _kernels(decoder, question, tokens) if cuda else (_ops(decoder, question, tokens), 0.0) for tokens in (1, n)
     )
-    return {k: _per_token(long[k], short.get(k, (0, 0.0)), n - 1) for k in long}
+    per_token = {k: _per_token(long[k], short.get(k, (0, 0.0)), n - 1) for k in long}
+    return per_token, (long_busy - short_busy) / (n - 1)
 
 
-def _kernels(decoder: HierarchicalDecoder, question: str, tokens: int) -> dict[str, tuple[int, float]]:
-    """CUDA kernels of one decode under torch.profiler (CUPTI sees the request loop's thread too)."""
+def _kernels(decoder: HierarchicalDecoder, question: str, tokens: int) -> tuple[dict[str, tuple[int, float]], float]:
+    """The CUDA kernels of one decode under torch.profiler (it sees the request loop's thread and the kernels of
+    replayed graphs; under programmatic dependent launch a kernel's time includes its wait on the one before), and
+    the ms the GPU was busy: the union of their spans."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decoder.generate([question], max_new_tokens=tokens, ignore_eos=True, seed=0)
     rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()]
-    return {name: (count, us / 1e3) for name, count, us in rows if us > 0}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return {name: (count, us / 1e3) for name, count, us in rows if us > 0}, busy / 1e3
 
 
 def _ops(decoder: HierarchicalDecoder, question: str, tokens: int) -> dict[str, tuple[int, float]]:
