@@ -297,11 +297,13 @@ def test_backend_linears_match_reference(fp8, rows):
         assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("measured", [False, True], ids=["no-32-row-plan", "32-row-plan"])
 @pytest.mark.parametrize("rows", [1, 2, 16, 17, MAX_ROWS, MAX_ROWS + 1])
-def test_backend_routes_few_rows_to_the_few_row_kernel(rows, measured, monkeypatch):
-    """2..16 rows of dense weights take `few_row_linear` in all three Linear steps, 17..32 only where the GPU has a
-    measured 32-row plan for the weight; one row and more rows do not."""
+def test_backend_routes_few_rows_to_the_few_row_kernel(rows, measured, dtype, monkeypatch):
+    """2..16 rows of dense half-precision weights take `few_row_linear` in all three Linear steps, 17..32 only where
+    the GPU has a measured 32-row plan for the weight; one row and more rows do not, nor fp32 rows (exact IEEE dots,
+    off the tensor cores)."""
     import hsmc.ops.triton_backend as triton_backend
 
     tuned(monkeypatch, few_row_plans={(32, 64, 32): FewRowPlan(32, 64)} if measured else {})  # weights [32, 64]
@@ -310,14 +312,19 @@ def test_backend_routes_few_rows_to_the_few_row_kernel(rows, measured, monkeypat
     kernel = triton_backend.few_row_linear
     monkeypatch.setattr(triton_backend, "few_row_linear", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     k, n = 64, 32
-    dense, down = torch.nn.Linear(k, n).to(DEVICE), torch.nn.Linear(k, n).to(DEVICE)
-    norm = RMSNorm(k, 1e-6).to(DEVICE)
+    dense, down = torch.nn.Linear(k, n).to(DEVICE, dtype), torch.nn.Linear(k, n).to(DEVICE, dtype)
+    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
     backend = TritonBackend()
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
     with torch.no_grad():
-        backend.linear(torch.randn(rows, 1, k, device=DEVICE), dense, torch.randn(rows, 1, n, device=DEVICE))
-        backend.norm_linear(torch.randn(rows, 1, k, device=DEVICE), norm, dense)
-        backend.silu_linear(torch.randn(rows, 1, 2 * k, device=DEVICE), down, torch.randn(rows, 1, n, device=DEVICE))
-    assert len(calls) == (3 if 2 <= rows <= 16 or (measured and 17 <= rows <= MAX_ROWS) else 0)
+        backend.linear(randn(rows, 1, k), dense, randn(rows, 1, n))
+        backend.norm_linear(randn(rows, 1, k), norm, dense)
+        backend.silu_linear(randn(rows, 1, 2 * k), down, randn(rows, 1, n))
+    few = 2 <= rows <= 16 or (measured and 17 <= rows <= MAX_ROWS)
+    assert len(calls) == (3 if few and dtype != torch.float32 else 0)
 
 
 @pytest.mark.parametrize("listed", [False, True], ids=["torch-choice", "measured-cublaslt"])
