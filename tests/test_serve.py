@@ -438,7 +438,8 @@ def test_a_client_that_disconnects_cancels_its_request(servers, decoders):
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break
-        assert decoder.driver.running_rows == 1
+        first = json.loads(line.removeprefix("data: "))
+        assert "error" not in first and decoder.driver.running_rows == 1, first  # running, not failed or ended
     wait_idle(decoder)
 
     payload = json.dumps(body).encode()
