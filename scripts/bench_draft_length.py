@@ -155,7 +155,7 @@ def _explain(args: argparse.Namespace, question: str, device: str) -> None:
         ops = {}
         for drafter in [None, *args.drafters]:
             decoder = _forced(drafter, temperature, args, question)
-            wall = statistics.median(_ms_per_token(decoder, question, n, cuda) for _ in range(args.repeats))
+            wall = statistics.median(_pass(decoder, [question], n)[1] for _ in range(args.repeats)) / (n - 1) * 1e3
             ops[drafter], busy = _per_token_ops(decoder, question, n, cuda)
             decoder.close()
             count, ms = sum(c for c, _ in ops[drafter].values()), sum(t for _, t in ops[drafter].values())
@@ -182,20 +182,6 @@ def _forced(drafter: str | None, temperature: float, args: argparse.Namespace, q
         decoder.stack.top.draft_length.forced = 0
     _pass(decoder, [question], args.new_tokens)
     return decoder
-
-
-def _ms_per_token(decoder: HierarchicalDecoder, question: str, n: int, cuda: bool) -> float:
-    """One decode of n tokens minus one of 1 (its prefill), per token."""
-    spans = []
-    for tokens in (1, n):
-        if cuda:
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        decoder.generate([question], max_new_tokens=tokens, ignore_eos=True, seed=0)
-        if cuda:
-            torch.cuda.synchronize()
-        spans.append(time.perf_counter() - began)
-    return (spans[1] - spans[0]) / (n - 1) * 1e3
 
 
 def _per_token_ops(
