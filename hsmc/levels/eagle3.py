@@ -14,9 +14,9 @@ head drafts uniformly over its vocabulary until the first verify (drafts are onl
 any q that is reported truthfully keeps the verifier lossless). The head runs through the same
 `ModelRunner` as every model (its own block tables, KV cache and graphs).
 After a round it did not draft for (a verify of γ = 0, chosen by `num_draft_tokens: auto`) the head only stores
-the features: it processes those pairs at its next draft, as a `model` drafter processes the tokens of the rounds it
-sat out (`pending_bound` of them at most: at `max_pending` the rejection level has it catch up at once, so the
-features stay in the window). Processing them every round cost such a round 7.6 % on a 2-core CPU.
+the features: it processes those pairs at its next draft (`pending_bound` of them at most, a count the rejection
+level keeps under `max_pending`, so the features stay in the window), as a `model` drafter processes the tokens of
+the rounds it sat out. Processing them every round cost such a round 7.6 % on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Eagle3Level:
         self.last_hidden[rows], self.last_logits[rows] = self.final_hidden[rows], self.final_logits[rows]
 
     def propose(self, rows: torch.Tensor, k: int, at_most: bool = False) -> Proposal:
-        self.catch_up(rows)
+        self._catch_up(rows)
         law = self.laws.at(rows)
         start = self.state.seq_len[rows]  # the first draft's position
         tokens, logq, logprobs = [], [], []
@@ -130,7 +130,7 @@ class Eagle3Level:
         """EAGLE-2's dynamic tree: the root's law is the head's output at the last pair; each depth's frontier
         runs as one head forward (`frontier_batch`), every node fed its parent's pre-norm output as a chain's draft
         step is. The provisional KV entries are rolled back by the next `accept`, as a chain's are."""
-        self.catch_up(rows)
+        self._catch_up(rows)
         law = self.laws.at(rows)
         start = self.state.seq_len[rows]  # the first draft's position
         outputs = self.last_hidden[rows][:, None]  # [R, nodes so far, H]: each node's pre-norm output
@@ -216,7 +216,7 @@ class Eagle3Level:
 
     def set_len_bound(self, bound: int) -> None:
         """Also bounds the backlog: a row holds no more waiting pairs than tokens, so the bound of 0 the driver sets
-        when no row is left ends it with its requests (the next requests must not meet a forced catch-up)."""
+        when no row is left ends it with its requests (the next requests must not meet a forced drafting round)."""
         self.state.bound_lengths(bound)
         self.pending_bound = min(self.pending_bound, bound)
 
@@ -231,10 +231,9 @@ class Eagle3Level:
         return {"forward_seconds": self.timer.seconds(), "forwards": self.timer.count}
 
     # -- internals ------------------------------------------------------------------------
-    def catch_up(self, rows: torch.Tensor) -> None:
-        """Process the pairs that rounds of γ = 0 left (rows without any keep their last output, which may be a
-        bridged pair's): before a draft, or when `max_pending` of them wait (their features must stay in the
-        window), a head forward instead of a whole drafting round."""
+    def _catch_up(self, rows: torch.Tensor) -> None:
+        """Before a draft: process the pairs that rounds of γ = 0 left (rows without any keep their last output,
+        which may be a bridged pair's)."""
         if not self.pending_bound:
             return
         upto = torch.maximum(torch.minimum(self.feature_len[rows], self.state.seq_len[rows] - 1), self.final_len[rows])

@@ -178,9 +178,8 @@ class RejectionLevel:
         choice = None
         if self.draft_length is not None:
             choice = self.draft_length.choose(rows.shape[0])
-            if choice == 0:
-                for drafter in _full_backlogs(self.waiting):
-                    drafter.catch_up(rows)  # it may leave no more tokens waiting (an EAGLE3 head's feature window)
+            if choice == 0 and _backlog_full(self.waiting):
+                choice = 1  # the drafter may leave no more tokens waiting (an EAGLE3 head's feature window)
             self._take(*self.draft_length.shape(choice))
             self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
         tokens, count = self._emitted(rows) if self.rounds is None else self._unit()(rows, None, emit=True)
@@ -437,9 +436,9 @@ def _waiting(drafter: Level) -> list[HostField]:
     return [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
 
 
-def _full_backlogs(waiting: list[HostField]) -> list[Level]:
-    """The drafters with a limit on the tokens they leave waiting (`max_pending`) that have reached it."""
-    return [f.owner for f in waiting if getattr(f.owner, f.name) >= getattr(f.owner, "max_pending", math.inf)]
+def _backlog_full(waiting: list[HostField]) -> bool:
+    """Whether a drafter with a limit on the tokens it leaves waiting (`max_pending`) has reached it."""
+    return any(getattr(f.owner, f.name) >= getattr(f.owner, "max_pending", math.inf) for f in waiting)
 
 
 def _bare_round_fields(host: list[HostField], waiting: list[HostField]) -> list[HostField]:
