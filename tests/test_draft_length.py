@@ -194,6 +194,37 @@ def test_a_tree_is_tried_on_its_prediction_and_then_judged_by_its_own_rounds():
     assert choice.expected(5) < 1.5
 
 
+def test_the_choice_kept_between_reads_is_the_one_computed_afresh():
+    """`choose` keeps its plan per batch size until a drafting round is read or the times change: over random reads
+    (of every arm, a tree's included), batch sizes and re-timings, each choice equals a fresh chooser's given the
+    same estimates and the same probe count."""
+    rng = random.Random(0)
+    tree = TreeShape(depth=3, topk=2, budget=6)
+    choice = DraftLength(4, [tree])
+
+    def timed() -> dict[int, list[float]]:
+        return {n: sorted(rng.uniform(1.0, 4.0) * n ** 0.5 for _ in range(choice.arms)) for n in (1, 16)}
+
+    choice.round_ms, choice.catch_up_ms = timed(), {1: 0.01, 16: 0.05}
+    picks = set()
+    for _ in range(600):
+        rows = rng.choice([1, 5, 16])
+        if rng.random() < 0.05:
+            choice.round_ms = timed()
+        if rng.random() < 0.3:
+            arm = rng.randrange(choice.arms)
+            choice.observe(arm, [rng.randint(0, choice.shape(arm)[0]) for _ in range(rows)])
+        fresh = DraftLength(4, [tree])
+        fresh.round_ms, fresh.catch_up_ms = choice.round_ms, choice.catch_up_ms
+        fresh.kept, fresh.rejected, fresh.tree_rounds, fresh.waited = (
+            choice.kept, choice.rejected, list(choice.tree_rounds), choice.waited
+        )
+        pick = choice.choose(rows)
+        assert pick == fresh.choose(rows) and choice.waited == fresh.waited
+        picks.add(pick)
+    assert len(picks) >= 3  # the reads moved the choice between arms
+
+
 def test_auto_is_refused_where_a_round_must_take_one_gamma(pair):  # noqa: F811
     draft, target = pair
     base = [{"kind": "model", "model": str(draft)}, {"kind": "rejection", "model": str(target)}]

@@ -290,11 +290,29 @@ class RejectionLevel:
         """A top's step: one round, then its tokens [R, γ+1] (0 past each row's count) and their count [R], the
         rows' new tokens acknowledged. Inside the round's graph, so a step costs one replay on the host, as a
         model top's does, not one plus a launch for each of these small ops."""
+        if self.gamma == 0 and self.tree is None:
+            return self._undrafted(rows)
         base = self.state.seq_len[rows]
         accepted = self._round(rows)[0]
         tokens = self.state.window(rows, base, accepted + 1, self.gamma + 1)
         self.acknowledged[rows] = self.state.seq_len[rows]
         return tokens, accepted + 1
+
+    def _undrafted(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A top's round of γ = 0 (`_emitted`), as a model top's step: one forward, one draw from p' (the sampler's
+        pass gives the token alone: no level above reads its log-probability), the token appended, the drafters
+        told it. A general round's log-softmax, rollbacks and hand-up records made a round of γ = 0 cost 1.14x the
+        target's step on an H200 at T = 1 (`bench_draft_length --explain`), which `auto` pays on every such round."""
+        base = self.state.seq_len[rows]
+        step = self.state.forward(rows, last_only=True)
+        keys = self.streams.keys(rows, self.residual_purpose, base)
+        token, _ = self.laws.at(rows).sample(step.logits[:, 0].float(), keys)
+        self.state.append(rows, token[:, None])
+        self.drafter.accept(rows, base, token, step if self.drafter.feature_layers else None)
+        self.yields[0] += len(rows)
+        self.row_counts[rows] += 1  # one round, one token
+        self.acknowledged[rows] = base + 1
+        return token[:, None], torch.ones_like(token)
 
     def _round(
         self, rows: torch.Tensor, active: torch.Tensor | None = None
