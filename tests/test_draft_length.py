@@ -203,7 +203,7 @@ def test_the_choice_kept_between_reads_is_the_one_computed_afresh():
     choice = DraftLength(4, [tree])
 
     def timed() -> dict[int, list[float]]:
-        return {n: sorted(rng.uniform(1.0, 4.0) * n ** 0.5 for _ in range(choice.arms)) for n in (1, 16)}
+        return {n: sorted(rng.uniform(1.0, 4.0) * n**0.5 for _ in range(choice.arms)) for n in (1, 16)}
 
     choice.round_ms, choice.catch_up_ms = timed(), {1: 0.01, 16: 0.05}
     picks = set()
@@ -217,7 +217,10 @@ def test_the_choice_kept_between_reads_is_the_one_computed_afresh():
         fresh = DraftLength(4, [tree])
         fresh.round_ms, fresh.catch_up_ms = choice.round_ms, choice.catch_up_ms
         fresh.kept, fresh.rejected, fresh.tree_rounds, fresh.waited = (
-            choice.kept, choice.rejected, list(choice.tree_rounds), choice.waited
+            choice.kept,
+            choice.rejected,
+            list(choice.tree_rounds),
+            choice.waited,
         )
         pick = choice.choose(rows)
         assert pick == fresh.choose(rows) and choice.waited == fresh.waited
