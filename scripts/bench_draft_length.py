@@ -14,11 +14,12 @@ end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), a
 ratios to the baseline, and the noise: the range of each pass's decode ratio to the target alone's pass of the same
 round (for the target alone, of its passes against their median).
 
-`--explain` prints instead where auto's floor goes, a round of γ = 0 against the target's step: per token, the
-wall time, on CUDA the time the GPU was busy (the union of the kernels' spans under torch.profiler: below the wall
-time, the host keeps the GPU waiting), and the kernels (CUDA) or the aten ops of the top's steps (CPU), their count
-and summed time, and those that differ most from the target alone's (by time on CUDA, by count on the CPU, where
-an op's time is mostly the machine's noise).
+`--explain [γ ...]` prints instead where a round's time goes, rounds of each γ given (0 if none: auto's floor)
+against the target's step: per round, the wall time and the tokens it yields, on CUDA the time the GPU was busy
+(the union of the kernels' spans under torch.profiler: below the wall time, the host keeps the GPU waiting), and
+the kernels (CUDA) or the aten ops of the top's steps (CPU), their count and summed time, and those that differ
+most from the target alone's (by time on CUDA, by count on the CPU, where an op's time is mostly the machine's
+noise).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's and self-draft's"
     )
-    parser.add_argument("--explain", action="store_true", help="where a round of γ = 0 goes (see above)")
+    parser.add_argument("--explain", nargs="*", type=int, help="where a round of each γ goes (see above)")
     args = parser.parse_args()
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
     if args.device == "cuda":
@@ -88,8 +89,8 @@ def main() -> None:
     else:
         cpu = platform.processor() or platform.machine()
         device = f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    if args.explain:
-        return _explain(args, questions[0], device)
+    if args.explain is not None:
+        return _explain(args, questions[0], device, args.explain or [0])
     print(f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, {len(questions)} GSM8K questions x "
           f"{args.new_tokens} new tokens, median of {args.repeats} passes")  # fmt: skip
     print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
@@ -143,57 +144,78 @@ def main() -> None:
             decoder.close()
 
 
-def _explain(args: argparse.Namespace, question: str, device: str) -> None:
+def _explain(args: argparse.Namespace, question: str, device: str, gammas: list[int]) -> None:
     cuda = args.device == "cuda"
     n = args.new_tokens
     counted = "kernels of the graphed decoder under torch.profiler" if cuda else "aten ops of the top's steps"
     print(
-        f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, the first GSM8K question, per token of "
-        f"{n} - 1 new tokens; auto's γ forced to 0; {counted}" + ("; busy: the union of the kernels' spans" * cuda)
+        f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, the first GSM8K question, per round of a "
+        f"decode of {n} new tokens less one of 1; auto's γ forced; {counted}"
+        + ("; busy: the union of the kernels' spans" * cuda)
     )
     for temperature in args.temperature:
         ops = {}
-        for drafter in [None, *args.drafters]:
-            decoder = _forced(drafter, temperature, args, question)
+        for drafter, gamma in [(None, 0), *((d, g) for d in args.drafters for g in gammas)]:
+            decoder = _forced(drafter, gamma, temperature, args, question)
+            ops[drafter, gamma], busy, tokens = _per_round_ops(decoder, question, n, cuda)
             wall = statistics.median(_pass(decoder, [question], n)[1] for _ in range(args.repeats)) / (n - 1) * 1e3
-            ops[drafter], busy = _per_token_ops(decoder, question, n, cuda)
             decoder.close()
-            count, ms = sum(c for c, _ in ops[drafter].values()), sum(t for _, t in ops[drafter].values())
+            count, ms = sum(c for c, _ in ops[drafter, gamma].values()), sum(t for _, t in ops[drafter, gamma].values())
+            label = "none" if drafter is None else f"{drafter} γ={gamma}"
             print(
-                f"T={temperature:g} {drafter or 'none':>10}: wall {wall:.3f} ms/token"
+                f"T={temperature:g} {label:>14}: wall {wall * tokens:.3f} ms/round ({tokens:.2f} tokens)"
                 + (f", GPU busy {busy:.3f}" if cuda else "")
-                + f"; {count:.0f} {'kernels' if cuda else 'ops'}/token summing {ms:.3f} ms",
+                + f"; {count:.0f} {'kernels' if cuda else 'ops'}/round summing {ms:.3f} ms",
                 flush=True,
             )
             if drafter is not None:
-                names = set(ops[drafter]) | set(ops[None])
-                diff = {k: _per_token(ops[drafter].get(k, (0, 0.0)), ops[None].get(k, (0, 0.0)), 1) for k in names}
+                mine, target = ops[drafter, gamma], ops[None, 0]
+                names = set(mine) | set(target)
+                diff = {k: _per_token(mine.get(k, (0, 0.0)), target.get(k, (0, 0.0)), 1) for k in names}
                 for name, (c, t) in sorted(diff.items(), key=lambda kv: -abs(kv[1][1 if cuda else 0]))[:12]:
-                    print(f"      {name[:72]:72} {c:+7.1f}/token {t * 1e3:+8.1f} us/token")
+                    print(f"      {name[:72]:72} {c:+7.1f}/round {t * 1e3:+8.1f} us/round")
 
 
-def _forced(drafter: str | None, temperature: float, args: argparse.Namespace, question: str) -> HierarchicalDecoder:
-    """The target alone, or a drafter's auto taking γ = 0 every round; warmed up."""
+def _forced(
+    drafter: str | None, gamma: int, temperature: float, args: argparse.Namespace, question: str
+) -> HierarchicalDecoder:
+    """The target alone, or a drafter's auto taking γ every round; warmed up."""
     levels = _levels(drafter, "auto" if drafter is not None else 0, temperature, args.dtype)
     decoder = HierarchicalDecoder.from_config(
         {"levels": levels, "engine": {"max_batch_rows": 1, "device": args.device}}
     )
     if drafter is not None:
-        decoder.stack.top.draft_length.forced = 0
+        decoder.stack.top.draft_length.forced = gamma
     _pass(decoder, [question], args.new_tokens)
     return decoder
 
 
-def _per_token_ops(
+def _per_round_ops(
     decoder: HierarchicalDecoder, question: str, n: int, cuda: bool
-) -> tuple[dict[str, tuple[float, float]], float]:
-    """Kernel (CUDA) or op (CPU) name -> (count, ms) per token, and the GPU's busy ms per token (CUDA): a profiled
-    decode of n tokens minus one of 1."""
-    (short, short_busy), (long, long_busy) = (
-        _kernels(decoder, question, tokens) if cuda else (_ops(decoder, question, tokens), 0.0) for tokens in (1, n)
-    )
-    per_token = {k: _per_token(long[k], short.get(k, (0, 0.0)), n - 1) for k in long}
-    return per_token, (long_busy - short_busy) / (n - 1)
+) -> tuple[dict[str, tuple[float, float]], float, float]:
+    """Kernel (CUDA) or op (CPU) name -> (count, ms) per round, the GPU's busy ms per round (CUDA), and the tokens a
+    round yields: a profiled decode of n tokens less one of 1."""
+    top = decoder.stack.top
+    step = top.step
+    rounds = [0]
+
+    def counting(rows: torch.Tensor):  # noqa: ANN202
+        rounds[0] += 1
+        return step(rows)
+
+    top.step = counting
+    try:
+        runs = []
+        for tokens in (1, n):
+            before = rounds[0]
+            ops, busy = _kernels(decoder, question, tokens) if cuda else (_ops(decoder, question, tokens), 0.0)
+            runs.append((ops, busy, rounds[0] - before))
+    finally:
+        del top.step
+    (short, short_busy, short_rounds), (long, long_busy, long_rounds) = runs
+    count = max(long_rounds - short_rounds, 1)
+    per_round = {k: _per_token(long[k], short.get(k, (0, 0.0)), count) for k in long}
+    return per_round, (long_busy - short_busy) / count, (n - 1) / count
 
 
 def _kernels(decoder: HierarchicalDecoder, question: str, tokens: int) -> tuple[dict[str, tuple[int, float]], float]:
@@ -229,7 +251,7 @@ def _ops(decoder: HierarchicalDecoder, question: str, tokens: int) -> dict[str, 
             return out
 
     top = decoder.stack.top
-    step = top.step
+    wrapped, step = "step" in vars(top), top.step
 
     def counted(rows: torch.Tensor):  # noqa: ANN202
         with Count():
@@ -239,12 +261,16 @@ def _ops(decoder: HierarchicalDecoder, question: str, tokens: int) -> dict[str, 
     try:
         decoder.generate([question], max_new_tokens=tokens, ignore_eos=True, seed=0)
     finally:
-        del top.step
+        if wrapped:
+            top.step = step
+        else:
+            del top.step
     return seen
 
 
-def _per_token(long: tuple[int, float], short: tuple[int, float], tokens: int) -> tuple[float, float]:
-    return (long[0] - short[0]) / tokens, (long[1] - short[1]) / tokens
+def _per_token(long: tuple[int, float], short: tuple[int, float], rounds: int) -> tuple[float, float]:
+    """(count, ms) per round of the difference of two runs."""
+    return (long[0] - short[0]) / rounds, (long[1] - short[1]) / rounds
 
 
 if __name__ == "__main__":
