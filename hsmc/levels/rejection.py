@@ -323,7 +323,7 @@ class RejectionLevel:
         if self.tree is not None:
             return self._tree_round(rows, active)
         gamma = self.gamma
-        draft = self.drafter.propose(rows, gamma, at_most=True) if gamma else _no_drafts(rows)
+        draft = self.drafter.propose(rows, gamma, at_most=True)  # γ >= 1: a top's round of γ = 0 is `_undrafted`
         base = self.state.seq_len[rows]  # the first draft's position
         self.state.append(rows, draft.tokens)
         step = self.state.forward(rows)
@@ -424,10 +424,6 @@ class RejectionLevel:
             accepted = keep.cumprod(1).sum(1)
             return accepted, greedy[index, accepted]
         ones, no_floor = torch.ones_like(p_logits[:, 0, 0]), torch.full_like(p_logits[:, 0, 0], float("-inf"))
-        if gamma == 0:  # nothing to accept: the token is a draw from p' itself (no pass over q, no residual)
-            keys = self.streams.keys(rows, self.residual_purpose, base)
-            token, _ = self.laws.backend.gumbel_max(logp[:, 0], ones, no_floor, keys)
-            return torch.zeros_like(base), token
         p = logp.exp()
         if draft.logprobs is None:  # deterministic drafts: q is one-hot at the draft
             q = torch.zeros_like(p[:, :gamma]).scatter_(-1, draft.tokens[..., None], 1.0)
@@ -480,9 +476,3 @@ def _loosen(waiting: list[HostField]) -> None:
             setattr(field.owner, field.name, most)
         elif bound > 2:
             setattr(field.owner, field.name, 1 << (bound - 1).bit_length())
-
-
-def _no_drafts(rows: torch.Tensor) -> Proposal:
-    """A round of γ = 0: the verifier alone (its drafter catches up at its next draft)."""
-    empty = torch.zeros(len(rows), 0, dtype=torch.int64, device=rows.device)
-    return Proposal(tokens=empty, logq=empty.float(), logprobs=None)
