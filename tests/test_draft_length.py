@@ -291,7 +291,9 @@ def test_greedy_output_is_the_verifiers_whatever_shape_each_round_takes(pair, ve
     assert_pools_empty(decoder)
 
 
-def _eagle_rounds(verifier, head, picks: list[int], every_round: bool = False) -> tuple[list, list[int], int, int]:
+def _eagle_rounds(
+    verifier, head, picks: list[int], every_round: bool = False, tokens: int = 60
+) -> tuple[list, list[int], int, int]:
     """Greedy decode of two prompts by [eagle3 head, rejection auto] with γ forced from `picks`: the drafts of every
     draft (as lists), the pairs left waiting after each round, the head's forwards and its `max_pending`.
     `every_round`: the head processes the pairs of a round without drafts at once (what it did before)."""
@@ -319,9 +321,9 @@ def _eagle_rounds(verifier, head, picks: list[int], every_round: bool = False) -
     if every_round:
         eagle.accept = accept_now
     prompts = [[5, 9, 13], [7] * 11]
-    results = decoder.generate(prompts, max_new_tokens=60, ignore_eos=True)
+    results = decoder.generate(prompts, max_new_tokens=tokens, ignore_eos=True)
     for prompt, result in zip(prompts, results):
-        assert result.token_ids == _hf_greedy(verifier, prompt, 60)
+        assert result.token_ids == _hf_greedy(verifier, prompt, tokens)
     assert_pools_empty(decoder)
     return drafts, waiting, results[0].stats["levels"][0]["forwards"], eagle.max_pending
 
@@ -338,8 +340,11 @@ def test_an_eagle3_head_sits_out_rounds_without_drafts_and_drafts_as_if_it_had_n
     assert drafts == twin_drafts and len(drafts) >= 8
     assert max(twin_waiting) == 0 and 9 <= max(waiting) < most
     assert forwards < twin_forwards
-    _, waiting, _, most = _eagle_rounds(verifier, head, [0] * 40 + [1])
+    _, waiting, _, most = _eagle_rounds(verifier, head, [0] * 80 + [1], tokens=80)
     assert max(waiting) == most  # reached, and a drafting round came next
+    picks = [0] * most + [1, 0, 0, 2]  # a backlog as long as the window allows, then drafts
+    drafts = _eagle_rounds(verifier, head, picks, tokens=80)[0]
+    assert drafts and drafts == _eagle_rounds(verifier, head, picks, every_round=True, tokens=80)[0]
 
 
 def test_an_eagle3_heads_backlog_ends_with_its_requests(verifier_and_head):  # noqa: F811

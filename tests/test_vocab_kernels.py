@@ -171,3 +171,26 @@ def test_logsumexp_rows_is_float64_logsumexp_over_the_kept_entries(monkeypatch):
     # a float32 scale would miss by far more than the tolerance
     rounded = scale.float().double()
     assert (reference(rounded) - reference(scale))[0].abs() > 1e-7
+
+
+@pytest.mark.parametrize("positions", ["rows", "rows x 3", "one int"])
+def test_the_stream_keys_kernel_gives_the_references_bits(positions):
+    """`stream_keys` (one kernel) against `counter_hash.keys_of_draws` on key[rows] (about forty torch ops): the same
+    int64 keys for repeated and unordered rows, keys and positions across all 64 bits, and every purpose kind (a
+    level's draws, acceptance, resampling ids)."""
+    from hsmc.ops.counter_hash import keys_of_draws
+    from hsmc.ops.stream_keys import stream_keys
+
+    g = torch.Generator().manual_seed(3)
+    key = torch.randint(-(2**63), 2**63 - 1, (9,), dtype=torch.int64, generator=g).to(DEVICE)
+    rows = torch.tensor([3, 0, 8, 3, 5, 1, 0], device=DEVICE)
+    for purpose in (0, 5, 8 * 3 + 1, 2**40):
+        given = {
+            "rows": torch.randint(0, 2**62, (7,), generator=g),
+            "rows x 3": torch.randint(-(2**63), 2**63 - 1, (7, 3), generator=g),
+            "one int": 12345,
+        }[positions]
+        given = given.to(DEVICE) if isinstance(given, torch.Tensor) else given
+        expected = keys_of_draws(key[rows], purpose, given)
+        got = stream_keys(key, rows, purpose, given)
+        assert got.shape == expected.shape and torch.equal(got, expected)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from hsmc.ops.backend import Backend, TorchBackend
 from hsmc.ops.counter_hash import combine, mix
 
 # what a level draws (a level's salt is its depth under the top of its stack, so no two levels share a stream)
@@ -26,8 +27,9 @@ DRAW, ACCEPT, RESIDUAL, SELECT, RESAMPLE, RENEW = range(6)
 class RowStreams:
     """The key of every row of a stack (the scratch row included), shared by its levels."""
 
-    def __init__(self, max_rows: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, device: torch.device, backend: Backend | None = None) -> None:
         self.key = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        self.backend = backend or TorchBackend()  # the stack's: one kernel per batch of keys on CUDA
 
     def seed(self, rows: torch.Tensor, seeds: torch.Tensor, particles: torch.Tensor) -> None:
         """Start the rows' streams: particle `particles[i]` of a request seeded `seeds[i]`."""
@@ -41,10 +43,7 @@ class RowStreams:
     def keys(self, rows: torch.Tensor, purpose: int, positions: torch.Tensor | int) -> torch.Tensor:
         """Per row, the key of one draw: `purpose` (a level's salt and use, `purpose_of`) at `positions` ([R] or
         [R, k]: one key per position)."""
-        key = combine(self.key[rows], purpose)
-        if isinstance(positions, torch.Tensor) and positions.dim() == 2:
-            key = key[:, None]
-        return combine(key, positions)
+        return self.backend.stream_keys(self.key, rows, purpose, positions)
 
 
 def purpose_of(salt: int, use: int) -> int:

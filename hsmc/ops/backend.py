@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hsmc.ops.batch import ForwardBatch, padded_columns
-from hsmc.ops.counter_hash import gumbel
+from hsmc.ops.counter_hash import gumbel, keys_of_draws
 from hsmc.ops.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -143,6 +143,13 @@ class Backend(Protocol):
         """argmax(ℓ·scale + g) over the entries ℓ >= floor per row of logits [R, V] (g: Gumbel noise keyed by
         keys [R]; scale 0: the plain argmax, log-probability 0), and the drawn entry's log_softmax: (int64 [R],
         float32 [R])."""
+        ...
+
+    def stream_keys(
+        self, key: torch.Tensor, rows: torch.Tensor, purpose: int, positions: torch.Tensor | int
+    ) -> torch.Tensor:
+        """The keys of the rows' draws of `purpose` at `positions` ([R], [R, k] or one int), the rows keyed
+        key[rows]: `counter_hash.keys_of_draws`'s bits."""
         ...
 
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
@@ -293,6 +300,11 @@ class TorchBackend:
         tokens = score.argmax(-1)
         logprobs = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
         return tokens, torch.where(greedy, 0.0, logprobs)
+
+    def stream_keys(
+        self, key: torch.Tensor, rows: torch.Tensor, purpose: int, positions: torch.Tensor | int
+    ) -> torch.Tensor:
+        return keys_of_draws(key[rows], purpose, positions)
 
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         kept = logits.float() >= floor[:, None]

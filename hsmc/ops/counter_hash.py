@@ -31,6 +31,25 @@ def combine(key: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
     return mix(key + mix(value * _GOLDEN + _GOLDEN))
 
 
+def keys_of_draws(key: torch.Tensor, purpose: int, positions: torch.Tensor | int) -> torch.Tensor:
+    """The keys of draws of `purpose` at `positions` ([R], [R, k] or one int) for rows keyed `key` [R]:
+    combine(combine(key, purpose), position), one per position."""
+    key = combine(key, purpose)
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+        key = key[:, None]
+    return combine(key, positions)
+
+
+def purpose_salt(purpose: int) -> int:
+    """What `combine(key, purpose)` adds to the key before its mix (an int64), for a kernel to do the same."""
+    return _mix_int(purpose * _GOLDEN + _GOLDEN)
+
+
+def splitmix_constants() -> tuple[int, int, int]:
+    """The golden-ratio increment and the two multipliers (as signed int64), for a kernel to use the same."""
+    return _GOLDEN, _M1, _M2
+
+
 def _mix_int(x: int) -> int:
     """`mix` of one int64 on the host (Python ints wrapped to 64 bits), the same bits as on the device."""
     mask = (1 << 64) - 1

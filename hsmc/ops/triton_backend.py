@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hsmc.ops import fused, kv_slots, token_rows, vocab
+from hsmc.ops import fused, kv_slots, stream_keys, token_rows, vocab
 from hsmc.ops.backend import BAD_ROLLBACK, OUT_OF_SLOTS, OVER_RELEASED, ROW_OVERFLOW, HeadLayout, RMSNormWeight, Rope
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.decode_linear import decode_linear
@@ -144,6 +144,11 @@ class TritonBackend:
         self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab.gumbel_max(logits, scale.float(), floor.float(), keys)
+
+    def stream_keys(
+        self, key: torch.Tensor, rows: torch.Tensor, purpose: int, positions: torch.Tensor | int
+    ) -> torch.Tensor:
+        return stream_keys.stream_keys(key, rows, purpose, positions)
 
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         return vocab.logsumexp_rows(logits, scale.double(), floor.float())

@@ -53,3 +53,22 @@ def test_float64_logsumexp_of_full_vocabulary_rows():
     lse = logsumexp_rows(logits, per_row(1 / 0.7, 72, torch.float64), per_row(-math.inf, 72))
     assert lse.dtype == torch.float64
     assert (lse - torch.logsumexp(logits.double() / 0.7, -1)).abs().max().item() < 1e-9
+
+
+def test_the_stream_keys_kernel_gives_the_references_bits_on_cuda():
+    """`stream_keys` compiled, over 65,536 rows x 8 positions (512 programs of 1,024) drawn across all 64 bits, repeated rows, and
+    an int position: the same int64 keys as `counter_hash.keys_of_draws` on key[rows] (torch's int64 ops on the
+    GPU wrap as splitmix64's uint64 products do)."""
+    from hsmc.ops.counter_hash import keys_of_draws
+    from hsmc.ops.stream_keys import stream_keys
+
+    gen = torch.Generator("cuda").manual_seed(2)
+    key = torch.randint(-(2**63), 2**63 - 1, (4096,), dtype=torch.int64, device="cuda", generator=gen)
+    rows = torch.randint(0, 4096, (65_536,), device="cuda", generator=gen)
+    positions = torch.randint(-(2**63), 2**63 - 1, (65_536, 8), dtype=torch.int64, device="cuda", generator=gen)
+    for purpose in (0, 8 * 2 + 1, 2**40):
+        assert torch.equal(stream_keys(key, rows, purpose, positions), keys_of_draws(key[rows], purpose, positions))
+        assert torch.equal(
+            stream_keys(key, rows, purpose, positions[:, 0]), keys_of_draws(key[rows], purpose, positions[:, 0])
+        )
+        assert torch.equal(stream_keys(key, rows, purpose, 77), keys_of_draws(key[rows], purpose, 77))
