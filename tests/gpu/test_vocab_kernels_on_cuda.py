@@ -56,9 +56,9 @@ def test_float64_logsumexp_of_full_vocabulary_rows():
 
 
 def test_the_stream_keys_kernel_gives_the_references_bits_on_cuda():
-    """`stream_keys` compiled, over 65,536 rows x 8 positions (512 programs of 1,024) drawn across all 64 bits, repeated rows, and
-    an int position: the same int64 keys as `counter_hash.keys_of_draws` on key[rows] (torch's int64 ops on the
-    GPU wrap as splitmix64's uint64 products do)."""
+    """`stream_keys` compiled, over 65,536 rows x 8 positions (512 programs of 1,024) drawn across all 64 bits,
+    repeated rows, and an int position: the same int64 keys as `counter_hash.keys_of_draws` on key[rows] (torch's
+    int64 ops on the GPU wrap as splitmix64's uint64 products do)."""
     from hsmc.ops.counter_hash import keys_of_draws
     from hsmc.ops.stream_keys import stream_keys
 
