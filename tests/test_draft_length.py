@@ -9,7 +9,6 @@ import time
 from unittest import mock
 
 import pytest
-import torch
 from helpers import assert_pools_empty
 from test_eagle_level import small_vocab, verifier_and_head  # noqa: F401
 from test_rejection import _chi2_pvalue, _exact_first_tokens, _hf_greedy, pair, small_vocab_pair  # noqa: F401
@@ -26,7 +25,7 @@ SMALL_TREE_PICKS = [9, 0, 10, 3, 9, 1, 10]  # the trees of budget 4 and 8 (the �
 
 
 def _auto_stack(
-    drafter: dict | list[dict],
+    drafter: dict,
     target,
     target_t: float,
     rows: int = 16,
@@ -37,8 +36,7 @@ def _auto_stack(
 ) -> HierarchicalDecoder:
     """`timed=False`: without the start-up timing, for tests that force the shapes (`_scheduled`)."""
     top = {"kind": "rejection", "model": str(target), "temperature": target_t, "num_draft_tokens": "auto"}
-    below = drafter if isinstance(drafter, list) else [drafter]
-    levels = [*below, {**top, "tree": tree, "tree_rule": rule}]
+    levels = [drafter, {**top, "tree": tree, "tree_rule": rule}]
     config = {"levels": levels, "engine": {"kv_capacity_tokens": capacity, "max_batch_rows": rows}}
     if timed:
         return HierarchicalDecoder.from_config(config)
@@ -321,7 +319,7 @@ def _eagle_rounds(
 
     eagle.propose, level.step = record_drafts, record_waiting
     if every_round:
-        eagle.accept = eagle.accept_undrafted = accept_now
+        eagle.accept = accept_now
     prompts = [[5, 9, 13], [7] * 11]
     results = decoder.generate(prompts, max_new_tokens=tokens, ignore_eos=True)
     for prompt, result in zip(prompts, results):
@@ -347,62 +345,6 @@ def test_an_eagle3_head_sits_out_rounds_without_drafts_and_drafts_as_if_it_had_n
     picks = [0] * most + [1, 0, 0, 2]  # a backlog as long as the window allows, then drafts
     drafts = _eagle_rounds(verifier, head, picks, tokens=80)[0]
     assert drafts and drafts == _eagle_rounds(verifier, head, picks, every_round=True, tokens=80)[0]
-
-
-def _drafters_after_each_round(decoder: HierarchicalDecoder, picks: list[int]) -> list[list[torch.Tensor]]:
-    """The state of every level below the top after each round of a T = 1 decode of two prompts with γ forced
-    from `picks`: tokens, lengths, KV tables and slot refcounts, length bounds, and an EAGLE3 head's features and
-    processed pairs."""
-    _scheduled(decoder, picks)
-    top, snapshots = decoder.stack.top, []
-    step = top.step
-
-    def recorded(rows):
-        emission = step(rows)
-        snapshot = []
-        for level, runner in zip(decoder.stack.levels[:-1], decoder.stack.runners):
-            tables, state = runner.tables, level.state
-            snapshot += [state.seq, state.seq_len, tables.table, tables.length, tables.allocator.refcount]
-            bounds = [state.len_bound, getattr(state, "pending_bound", -1), getattr(level, "pending_bound", -1)]
-            snapshot += [torch.tensor(bounds)]
-            head = ("features", "feature_len", "final_len")
-            snapshot += [getattr(level, name) for name in head if hasattr(level, name)]
-        snapshots.append([t.clone() for t in snapshot])
-        return emission
-
-    top.step = recorded
-    decoder.generate([[5, 9, 13], [7] * 11], max_new_tokens=40, ignore_eos=True, seed=3)
-    assert_pools_empty(decoder)
-    return snapshots
-
-
-@pytest.mark.parametrize("drafter", ["model", "eagle3", "rejection"])
-def test_a_drafter_told_of_a_round_of_gamma_0_is_left_as_its_general_accept_leaves_it(pair, verifier_and_head, drafter):  # noqa: F811
-    """In a round of γ = 0 the drafters proposed nothing, so `accept_undrafted` rolls nothing back: after every
-    round of a T = 1 decode, every level below the top (a self-draft, an EAGLE3 head, or a rejection level with its
-    own drafter) holds the same tokens, KV tables, slot refcounts, bounds and head features as when told by the
-    general `accept`."""
-    draft, target = pair
-    below = {"kind": "model", "model": str(draft), "temperature": 1.0}
-    if drafter == "eagle3":
-        target, head = verifier_and_head
-        below = {"kind": "eagle3", "model": str(head), "temperature": 1.0}
-    elif drafter == "rejection":
-        below = [below, {"kind": "rejection", "model": str(target), "temperature": 1.0, "num_draft_tokens": 2}]
-    picks = [0, 0, 2, 0, 0, 0, 3, 0, 1, 0, 0]
-    runs = []
-    for general in (False, True):
-        decoder = _auto_stack(below, target, 1.0, timed=False)
-        if general:
-            for level in decoder.stack.levels[:-1]:
-                level.accept_undrafted = lambda rows, keep, token, features, level=level: level.accept(
-                    rows, keep, token, features
-                )
-        runs.append(_drafters_after_each_round(decoder, picks))
-    lean, general = runs
-    assert len(lean) == len(general) > 20
-    for i, (a, b) in enumerate(zip(lean, general)):
-        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"round {i}"
 
 
 def test_an_eagle3_heads_backlog_ends_with_its_requests(verifier_and_head):  # noqa: F811

@@ -113,14 +113,6 @@ class Level(Protocol):
         positions below keep_len are committed, so a feature-reading drafter may consume those."""
         ...
 
-    def accept_undrafted(
-        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None
-    ) -> None:
-        """`accept` after a round of γ = 0 above, in which this level proposed nothing: keep_len is every row's
-        length, nothing of the KV lies past it, so there is nothing to roll back (a rollback kernel and the head's
-        bookkeeping were a tenth of such a round on an H200)."""
-        ...
-
     def step(self, rows: torch.Tensor) -> Emission: ...
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None: ...
     def release(self, rows: torch.Tensor) -> None: ...
@@ -279,12 +271,8 @@ class SequenceState(TokenRows):
 
     def truncate(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, max_drop: int) -> None:
         """Keep seq[:keep_len], append next_token; KV past keep_len (at most `max_drop` tokens) is rolled back."""
-        self.extend(rows, keep_len, next_token)
-        self.runner.tables.truncate(rows, keep_len, max_drop)
-
-    def extend(self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor) -> None:
-        """`truncate` where no KV lies past keep_len: the token appended, nothing rolled back."""
         self.set_token(rows, keep_len, next_token)
+        self.runner.tables.truncate(rows, keep_len, max_drop)
         self.pending_bound = max(1, self.pending_bound + 1)
 
     def forward(self, rows: torch.Tensor, leave_last: bool = False, last_only: bool = False) -> StepOutput:

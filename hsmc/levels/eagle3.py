@@ -201,18 +201,6 @@ class Eagle3Level:
         self.pending_bound = 0
         self._bridge(rows, known, keep_len)
 
-    def accept_undrafted(
-        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None
-    ) -> None:
-        """The token and its verifier's features kept, the pair left waiting for the next draft. Without features
-        (under a level that is not the verifier) the pair is bridged as `accept` does."""
-        if features is None:
-            self.accept(rows, keep_len, next_token)
-            return
-        self.state.set_token(rows, keep_len, next_token)
-        self._store(rows, features, keep_len)
-        self.pending_bound += 1
-
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         per_row = (self.features, self.feature_len, self.final_hidden, self.final_logits, self.final_len)
         copies = [(t, t[src_rows]) for t in (*per_row, self.last_hidden, self.last_logits)]

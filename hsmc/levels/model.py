@@ -104,11 +104,6 @@ class ModelLevel:
         keep_len, next_token = masked_accept(self.state, rows, keep_len, next_token, mask)
         self.state.truncate(rows, keep_len, next_token, max_drop=self.proposed + 1)
 
-    def accept_undrafted(
-        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None
-    ) -> None:
-        self.state.extend(rows, keep_len, next_token)
-
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         self.state.fork(src_rows, dst_rows)
 

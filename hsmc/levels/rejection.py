@@ -209,13 +209,6 @@ class RejectionLevel:
         self.drafter.accept(rows, keep_len, next_token)
         self.acknowledged[rows] = acknowledged
 
-    def accept_undrafted(
-        self, rows: torch.Tensor, keep_len: torch.Tensor, next_token: torch.Tensor, features: StepOutput | None
-    ) -> None:
-        self.state.extend(rows, keep_len, next_token)
-        self.drafter.accept_undrafted(rows, keep_len, next_token, None)
-        self.acknowledged[rows] = keep_len + 1
-
     def fork(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         width = min(self.state.len_bound + 1, self.seq_logq.shape[1])
         logq, ack = self.seq_logq[src_rows, :width], self.acknowledged[src_rows]
@@ -315,7 +308,7 @@ class RejectionLevel:
         keys = self.streams.keys(rows, self.residual_purpose, base)
         token, _ = self.laws.at(rows).sample(step.logits[:, 0].float(), keys)
         self.state.append(rows, token[:, None])
-        self.drafter.accept_undrafted(rows, base, token, step if self.drafter.feature_layers else None)
+        self.drafter.accept(rows, base, token, step if self.drafter.feature_layers else None)
         self.yields[0] += len(rows)
         self.row_counts[rows] += 1  # one round, one token
         self.acknowledged[rows] = base + 1
