@@ -138,9 +138,10 @@ def main() -> None:
                     every = choice.probe_every(rows)
                     probes = "never" if every is None else f"every {every} rounds"
                     print(f"     {gamma}'s round times at start, {rows} row(s) (ms, γ = 0..{choice.most}, then trees): "
-                          + " ".join(f"{t:.1f}" for t in times)
+                          + " ".join(f"{t:.2f}" for t in times)
                           + f"; the drafters' catch-up {choice.catch_up(rows):.2f} ms a round; a probe {probes}",
                           flush=True)  # fmt: skip
+                print(f"     {gamma}'s estimate of a draft's acceptance after the passes: α = {choice.rate:.2f}")
             decoder.close()
 
 
