@@ -172,7 +172,7 @@ def _explain(args: argparse.Namespace, question: str, device: str, gammas: list[
             if drafter is not None:
                 mine, target = ops[drafter, gamma], ops[None, 0]
                 names = set(mine) | set(target)
-                diff = {k: _per_token(mine.get(k, (0, 0.0)), target.get(k, (0, 0.0)), 1) for k in names}
+                diff = {k: _per_round(mine.get(k, (0, 0.0)), target.get(k, (0, 0.0)), 1) for k in names}
                 for name, (c, t) in sorted(diff.items(), key=lambda kv: -abs(kv[1][1 if cuda else 0]))[:12]:
                     print(f"      {name[:72]:72} {c:+7.1f}/round {t * 1e3:+8.1f} us/round")
 
@@ -215,7 +215,7 @@ def _per_round_ops(
         del top.step
     (short, short_busy, short_rounds), (long, long_busy, long_rounds) = runs
     count = max(long_rounds - short_rounds, 1)
-    per_round = {k: _per_token(long[k], short.get(k, (0, 0.0)), count) for k in long}
+    per_round = {k: _per_round(long[k], short.get(k, (0, 0.0)), count) for k in long}
     return per_round, (long_busy - short_busy) / count, (n - 1) / count
 
 
@@ -269,7 +269,7 @@ def _ops(decoder: HierarchicalDecoder, question: str, tokens: int) -> dict[str, 
     return seen
 
 
-def _per_token(long: tuple[int, float], short: tuple[int, float], rounds: int) -> tuple[float, float]:
+def _per_round(long: tuple[int, float], short: tuple[int, float], rounds: int) -> tuple[float, float]:
     """(count, ms) per round of the difference of two runs."""
     return (long[0] - short[0]) / rounds, (long[1] - short[1]) / rounds
 
