@@ -439,7 +439,8 @@ def test_a_client_that_disconnects_cancels_its_request(servers, decoders):
             if line.startswith("data: "):
                 break
         first = json.loads(line.removeprefix("data: "))
-        assert "error" not in first and decoder.driver.running_rows == 1, first  # running, not failed or ended
+        running = decoder.driver.running_rows  # running, not failed or ended (the whole chunk and queue if not)
+        assert "error" not in first and running == 1, (json.dumps(first), running, decoder.driver.queue_depth)
     wait_idle(decoder)
 
     payload = json.dumps(body).encode()
