@@ -18,6 +18,7 @@ from hsmc.decoder import TIMING_ROUNDS, HierarchicalDecoder
 from hsmc.errors import ConfigError
 from hsmc.levels.draft_length import DRAFT_MARGIN, PROBE_SHARE, DraftLength, expected_tokens
 from hsmc.levels.tree import TreeShape
+from hsmc.requests import SamplingParams
 
 PICKS = [0, 3, 0, 0, 1, 8, 2, 0, 5, 4, 0, 7, 6, 1]  # a schedule that visits every γ, 0 (the target alone) often
 TREE_PICKS = [9, 0, 12, 3, 10, 0, 11, 1, 12, 9]  # with tree: auto, arms 9..12 are AUTO_TREES' trees
@@ -347,6 +348,83 @@ def test_an_eagle3_head_sits_out_rounds_without_drafts_and_drafts_as_if_it_had_n
     assert drafts and drafts == _eagle_rounds(verifier, head, picks, every_round=True, tokens=80)[0]
 
 
+def test_where_no_batch_size_drafts_or_probes_the_choice_goes_idle_until_the_times_change():
+    """Round times of an H200 with SmolLM2 and its EAGLE3 head (fp32, T = 1): at α = 0.5 no γ pays, and the drafters'
+    catch-up alone exceeds the probes' share at 1 and 16 rows, so no round will draft or be read (`never_drafts`):
+    the choice goes idle, γ = 0 for good, and a drafting round read afterwards (launched before) changes nothing.
+    New round times end it; a batch size where probes pay or a better acceptance keep it from starting."""
+    choice = DraftLength(8)
+    times = {1: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3]}
+    times[16] = [3 * t for t in times[1]]
+    choice.round_ms, choice.catch_up_ms = times, {1: 0.03, 16: 0.09}  # > PROBE_SHARE of 0.75 and of 2.25 ms
+    assert choice.never_drafts and not choice.idle
+    assert set(choice.choose(n) for n in (1, 5, 16) for _ in range(500)) == {0} and choice.idle
+    choice.observe(3, [3] * 50)  # α ≈ 0.9 now: γ = 3 would yield 3.44 tokens in 2.14 ms
+    assert not choice.never_drafts and choice.choose(1) == 0
+    choice.round_ms = dict(times)  # times change (a following rank's copy of the timing's): the plans follow α
+    assert not choice.idle and choice.choose(1) > 0
+    choice.forget()
+    choice.catch_up_ms = {1: 0.03, 16: 0.01}  # probes pay at 16 rows: a probe there may change every plan
+    assert not choice.never_drafts and choice.choose(1) == 0 and not choice.idle
+    choice.catch_up_ms = {1: 0.03, 16: 0.09}
+    choice.forced = 0  # a timing or a warmup
+    assert not choice.never_drafts and choice.choose(1) == 0 and not choice.idle
+
+
+def _count_calls(owner, *names: str) -> dict[str, int]:
+    """Count the calls of `owner`'s methods `names` from now on (the dict fills as they come)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        method = getattr(owner, name)
+
+        def counted(*args, name=name, method=method, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+
+        setattr(owner, name, counted)
+    return calls
+
+
+def _idle_stack(drafter: dict, target, temperature: float) -> HierarchicalDecoder:
+    """An auto stack whose round times (those of the test above) make it never draft."""
+    decoder = _auto_stack(drafter, target, temperature, rows=4, timed=False)
+    choice = decoder.stack.top.draft_length
+    choice.round_ms = {1: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3]}
+    choice.catch_up_ms = {1: 0.03}
+    return decoder
+
+
+def test_a_choice_that_never_drafts_leaves_the_drafter_out_and_samples_as_if_told(pair, verifier_and_head):  # noqa: F811
+    """Where no round will draft again the drafter is told nothing: a `model` drafter runs no forward past its
+    prefill and an EAGLE3 head stores no features and leaves no backlog (so its window forces no drafting round),
+    while the tokens are those of rounds of γ = 0 that tell it everything: at T = 1 the same seeded draws as a twin
+    whose drafter follows, at T = 0 the verifier's greedy tokens, and every block goes back at the end."""
+    draft, target = pair
+    prompts = [[5, 9, 13], [7] * 11, [2, 4]]
+    params = [SamplingParams(seed=s, max_tokens=40, ignore_eos=True) for s in (3, 4, 5)]
+    idle = _idle_stack({"kind": "model", "model": str(draft)}, target, 1.0)
+    told = _auto_stack({"kind": "model", "model": str(draft)}, target, 1.0, rows=4, timed=False)
+    _scheduled(told, [0])
+    calls = _count_calls(idle.stack.levels[0], "accept", "propose", "prefill")
+    got = [r.token_ids for r in idle.generate(prompts, params=params)]
+    assert got == [r.token_ids for r in told.generate(prompts, params=params)]
+    assert calls == {"accept": 0, "propose": 0, "prefill": 1} and idle.stack.top.idle_drafter
+    assert told.stack.levels[0].state.pending_bound >= 39  # the twin's drafter was told every token
+    assert_pools_empty(idle)
+
+    verifier, head = verifier_and_head
+    idle = _idle_stack({"kind": "eagle3", "model": str(head)}, verifier, 0.0)
+    eagle = idle.stack.levels[0]
+    calls = _count_calls(eagle, "accept", "propose", "prefill", "_store")
+    n = eagle.max_pending + 20  # past the window's backlog limit
+    for prompt in prompts:
+        (result,) = idle.generate([prompt], max_new_tokens=n, ignore_eos=True)
+        assert result.token_ids == _hf_greedy(verifier, prompt, n)
+    assert calls == {"accept": 0, "propose": 0, "prefill": 3, "_store": 3}  # the prefills' features only
+    assert eagle.pending_bound == 0 and idle.stack.top.drafted == 0
+    assert_pools_empty(idle)
+
+
 def test_an_eagle3_heads_backlog_ends_with_its_requests(verifier_and_head):  # noqa: F811
     """Pairs left waiting by rounds of γ = 0 belong to the rows that left them: once those have ended (the driver
     bounds every length to 0 before it admits the next rows) the backlog is 0, so the next requests' rounds of γ = 0
@@ -436,6 +514,23 @@ def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind
     # one shape before the first probe and one after (the drafter's last proposal: none, then 1), each captured
     # once it recurs
     assert level.bare_rounds.replays >= bare - 2 * CAPTURE_AFTER, (level.bare_rounds.replays, bare)
+    assert_pools_empty(decoder)
+
+
+def test_rounds_that_leave_the_drafter_out_recur_as_one_graph(verifier_and_head, monkeypatch):  # noqa: F811
+    """Rounds of a choice that never drafts are their own graph's shape (the drafter left out is a key), captured
+    once it recurs and replayed (units and captures emulated), the greedy tokens the verifier's."""
+    from hsmc.engine.graphs import CAPTURE_AFTER
+
+    decoder = _graphed_auto_stack(verifier_and_head, monkeypatch, drafter="eagle3")
+    level = decoder.stack.top
+    level.draft_length.round_ms = {1: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3]}
+    level.draft_length.catch_up_ms = {1: 0.03}
+    prompt = [5, 9, 13]
+    (result,) = decoder.generate([prompt], max_new_tokens=90, ignore_eos=True)
+    assert result.token_ids == _hf_greedy(verifier_and_head[0], prompt, 90)
+    assert level.idle_drafter and level.rounds.replays == 0
+    assert level.bare_rounds.replays >= 89 - CAPTURE_AFTER, level.bare_rounds.replays
     assert_pools_empty(decoder)
 
 
