@@ -463,8 +463,11 @@ def _backlog_full(waiting: list[HostField]) -> bool:
 def _bare_round_fields(host: list[HostField], waiting: list[HostField]) -> list[HostField]:
     """The host ints of a round of γ = 0: the drafter does not run, so the tokens waiting for its next forward
     (`waiting`) only grow (one per round). As a key they would make every such round a new shape, none ever captured
-    (on an H100 a 1 : 3 self-draft under `auto` decoded at 0.09-0.53x its target alone); as a count they do not."""
-    return [replace(f, role="count") if f in waiting else f for f in host]
+    (on an H100 a 1 : 3 self-draft under `auto` decoded at 0.09-0.53x its target alone); as a count they do not.
+    The drafters' `proposed` (the last draft's size, a bound on an accept's rollback) is a count too: such a round
+    rolls nothing back, so one graph serves it after drafts of any size (as a key, a `model` drafter's rounds of
+    γ = 0 after a probe of γ = 1 missed the warmup's graphs, captured after drafts of γ = 8)."""
+    return [replace(f, role="count") if f in waiting or f.name == "proposed" else f for f in host]
 
 
 def _loosen(waiting: list[HostField]) -> None:
