@@ -18,8 +18,7 @@ pays and γ = 0 stays until the next timing. Where that holds at every batch siz
 drafts again and none is read, so nothing could change the plans but a drafting round launched before and read
 after: the choice goes `idle` (γ = 0 until the times change, whatever is read), and the rejection level leaves its
 drafters out of the rounds (no tokens or features handed to them, no backlog, so no drafting round forced by an
-EAGLE3 head's window every 55 rounds: auto at T = 1 went from 0.90x to 0.96x its target alone on an H200, SmolLM2
-and its head in fp32).
+EAGLE3 head's window every 55 rounds: docs/measurements/2026-11-29-h200-idle-drafter.txt).
 The choice only ever depends on rounds already read, never on the round it is for, so every round is an ordinary
 speculative-sampling round and the output stays an exact sample of the verifier's law.
 """
