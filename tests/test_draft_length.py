@@ -21,6 +21,8 @@ from hsmc.levels.tree import TreeShape
 from hsmc.requests import SamplingParams
 
 PICKS = [0, 3, 0, 0, 1, 8, 2, 0, 5, 4, 0, 7, 6, 1]  # a schedule that visits every γ, 0 (the target alone) often
+# round times at 1 row (γ = 0..8) of an H200, SmolLM2 and its EAGLE3 head in fp32: at α = 0.5 no γ pays
+IDLE_MS = (0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3)
 TREE_PICKS = [9, 0, 12, 3, 10, 0, 11, 1, 12, 9]  # with tree: auto, arms 9..12 are AUTO_TREES' trees
 SMALL_TREE_PICKS = [9, 0, 10, 3, 9, 1, 10]  # the trees of budget 4 and 8 (the χ² of 20 000 rows is the costly test)
 
@@ -354,7 +356,7 @@ def test_where_no_batch_size_drafts_or_probes_the_choice_goes_idle_until_the_tim
     the choice goes idle, γ = 0 for good, and a drafting round read afterwards (launched before) changes nothing.
     New round times end it; a batch size where probes pay or a better acceptance keep it from starting."""
     choice = DraftLength(8)
-    times = {1: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3]}
+    times = {1: list(IDLE_MS)}
     times[16] = [3 * t for t in times[1]]
     choice.round_ms, choice.catch_up_ms = times, {1: 0.03, 16: 0.09}  # > PROBE_SHARE of 0.75 and of 2.25 ms
     assert choice.never_drafts and not choice.idle
@@ -371,26 +373,28 @@ def test_where_no_batch_size_drafts_or_probes_the_choice_goes_idle_until_the_tim
     assert not choice.never_drafts and choice.choose(1) == 0 and not choice.idle
 
 
-def _count_calls(owner, *names: str) -> dict[str, int]:
-    """Count the calls of `owner`'s methods `names` from now on (the dict fills as they come)."""
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        method = getattr(owner, name)
+def _spies(owner, *names: str) -> dict[str, mock.Mock]:
+    """`owner`'s methods `names`, each wrapped from now on by a mock that counts its calls."""
+    spies = {name: mock.Mock(wraps=getattr(owner, name)) for name in names}
+    for name, spy in spies.items():
+        setattr(owner, name, spy)
+    return spies
 
-        def counted(*args, name=name, method=method, **kwargs):
-            calls[name] += 1
-            return method(*args, **kwargs)
 
-        setattr(owner, name, counted)
-    return calls
+def _calls(spies: dict[str, mock.Mock]) -> dict[str, int]:
+    return {name: spy.call_count for name, spy in spies.items()}
+
+
+def _never_drafting(choice: DraftLength) -> None:
+    """Give `choice` round times (those of the test above) that make it never draft."""
+    choice.round_ms = {1: list(IDLE_MS)}
+    choice.catch_up_ms = {1: 0.03}
 
 
 def _idle_stack(drafter: dict, target, temperature: float) -> HierarchicalDecoder:
-    """An auto stack whose round times (those of the test above) make it never draft."""
+    """An auto stack that never drafts."""
     decoder = _auto_stack(drafter, target, temperature, rows=4, timed=False)
-    choice = decoder.stack.top.draft_length
-    choice.round_ms = {1: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3]}
-    choice.catch_up_ms = {1: 0.03}
+    _never_drafting(decoder.stack.top.draft_length)
     return decoder
 
 
@@ -405,22 +409,22 @@ def test_a_choice_that_never_drafts_leaves_the_drafter_out_and_samples_as_if_tol
     idle = _idle_stack({"kind": "model", "model": str(draft)}, target, 1.0)
     told = _auto_stack({"kind": "model", "model": str(draft)}, target, 1.0, rows=4, timed=False)
     _scheduled(told, [0])
-    calls = _count_calls(idle.stack.levels[0], "accept", "propose", "prefill")
+    calls = _spies(idle.stack.levels[0], "accept", "propose", "prefill")
     got = [r.token_ids for r in idle.generate(prompts, params=params)]
     assert got == [r.token_ids for r in told.generate(prompts, params=params)]
-    assert calls == {"accept": 0, "propose": 0, "prefill": 1} and idle.stack.top.idle_drafter
+    assert _calls(calls) == {"accept": 0, "propose": 0, "prefill": 1} and idle.stack.top.idle_drafter
     assert told.stack.levels[0].state.pending_bound >= 39  # the twin's drafter was told every token
     assert_pools_empty(idle)
 
     verifier, head = verifier_and_head
     idle = _idle_stack({"kind": "eagle3", "model": str(head)}, verifier, 0.0)
     eagle = idle.stack.levels[0]
-    calls = _count_calls(eagle, "accept", "propose", "prefill", "_store")
+    calls = _spies(eagle, "accept", "propose", "prefill", "_store")
     n = eagle.max_pending + 20  # past the window's backlog limit
     for prompt in prompts:
         (result,) = idle.generate([prompt], max_new_tokens=n, ignore_eos=True)
         assert result.token_ids == _hf_greedy(verifier, prompt, n)
-    assert calls == {"accept": 0, "propose": 0, "prefill": 3, "_store": 3}  # the prefills' features only
+    assert _calls(calls) == {"accept": 0, "propose": 0, "prefill": 3, "_store": 3}  # the prefills' features only
     assert eagle.pending_bound == 0 and idle.stack.top.drafted == 0
     assert_pools_empty(idle)
 
@@ -546,8 +550,7 @@ def test_rounds_that_leave_the_drafter_out_recur_as_one_graph(verifier_and_head,
 
     decoder = _graphed_auto_stack(verifier_and_head, monkeypatch, drafter="eagle3")
     level = decoder.stack.top
-    level.draft_length.round_ms = {1: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3]}
-    level.draft_length.catch_up_ms = {1: 0.03}
+    _never_drafting(level.draft_length)
     prompt = [5, 9, 13]
     (result,) = decoder.generate([prompt], max_new_tokens=90, ignore_eos=True)
     assert result.token_ids == _hf_greedy(verifier_and_head[0], prompt, 90)

@@ -120,9 +120,7 @@ class DraftLength:
         if self.idle or self.never_drafts:
             self.idle = True  # the drafters no longer follow the rows: none of them may draft again
             return 0
-        if rows not in self._plans:
-            self._plans[rows] = self._plan(rows)
-        best, every = self._plans[rows]
+        best, every = self._plan_at(rows)
         if best:
             return best
         if every is None:
@@ -139,10 +137,12 @@ class DraftLength:
         the round and catch-up times are linear there). Not while an arm is forced (a timing, a warmup)."""
         if self.forced is not None or self.round_ms is None:
             return False
-        for rows in self.round_ms:
-            if rows not in self._plans:
-                self._plans[rows] = self._plan(rows)
-        return all(self._plans[rows] == (0, None) for rows in self.round_ms)
+        return all(self._plan_at(rows) == (0, None) for rows in self.round_ms)
+
+    def _plan_at(self, rows: int) -> tuple[int, int | None]:
+        if rows not in self._plans:
+            self._plans[rows] = self._plan(rows)
+        return self._plans[rows]
 
     def _plan(self, rows: int) -> tuple[int, int | None]:
         """The arm that wins at `rows` rows (0: the target alone) and, for 0, the probe interval. It changes only
