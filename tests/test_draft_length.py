@@ -18,8 +18,11 @@ from hsmc.decoder import TIMING_ROUNDS, HierarchicalDecoder
 from hsmc.errors import ConfigError
 from hsmc.levels.draft_length import DRAFT_MARGIN, PROBE_SHARE, DraftLength, expected_tokens
 from hsmc.levels.tree import TreeShape
+from hsmc.requests import SamplingParams
 
 PICKS = [0, 3, 0, 0, 1, 8, 2, 0, 5, 4, 0, 7, 6, 1]  # a schedule that visits every γ, 0 (the target alone) often
+# round times at 1 row (γ = 0..8) of an H200, SmolLM2 and its EAGLE3 head in fp32: at α = 0.5 no γ pays
+IDLE_MS = (0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3)
 TREE_PICKS = [9, 0, 12, 3, 10, 0, 11, 1, 12, 9]  # with tree: auto, arms 9..12 are AUTO_TREES' trees
 SMALL_TREE_PICKS = [9, 0, 10, 3, 9, 1, 10]  # the trees of budget 4 and 8 (the χ² of 20 000 rows is the costly test)
 
@@ -347,6 +350,85 @@ def test_an_eagle3_head_sits_out_rounds_without_drafts_and_drafts_as_if_it_had_n
     assert drafts and drafts == _eagle_rounds(verifier, head, picks, every_round=True, tokens=80)[0]
 
 
+def test_where_no_batch_size_drafts_or_probes_the_choice_goes_idle_until_the_times_change():
+    """Round times of an H200 with SmolLM2 and its EAGLE3 head (fp32, T = 1): at α = 0.5 no γ pays, and the drafters'
+    catch-up alone exceeds the probes' share at 1 and 16 rows, so no round will draft or be read (`never_drafts`):
+    the choice goes idle, γ = 0 for good, and a drafting round read afterwards (launched before) changes nothing.
+    New round times end it; a batch size where probes pay or a better acceptance keep it from starting."""
+    choice = DraftLength(8)
+    times = {1: list(IDLE_MS)}
+    times[16] = [3 * t for t in times[1]]
+    choice.round_ms, choice.catch_up_ms = times, {1: 0.03, 16: 0.09}  # > PROBE_SHARE of 0.75 and of 2.25 ms
+    assert choice.never_drafts and not choice.idle
+    assert set(choice.choose(n) for n in (1, 5, 16) for _ in range(500)) == {0} and choice.idle
+    choice.observe(3, [3] * 50)  # α ≈ 0.9 now: γ = 3 would yield 3.44 tokens in 2.14 ms
+    assert not choice.never_drafts and choice.choose(1) == 0
+    choice.round_ms = dict(times)  # times change (a following rank's copy of the timing's): the plans follow α
+    assert not choice.idle and choice.choose(1) > 0
+    choice.forget()
+    choice.catch_up_ms = {1: 0.03, 16: 0.01}  # probes pay at 16 rows: a probe there may change every plan
+    assert not choice.never_drafts and choice.choose(1) == 0 and not choice.idle
+    choice.catch_up_ms = {1: 0.03, 16: 0.09}
+    choice.forced = 0  # a timing or a warmup
+    assert not choice.never_drafts and choice.choose(1) == 0 and not choice.idle
+
+
+def _spies(owner, *names: str) -> dict[str, mock.Mock]:
+    """`owner`'s methods `names`, each wrapped from now on by a mock that counts its calls."""
+    spies = {name: mock.Mock(wraps=getattr(owner, name)) for name in names}
+    for name, spy in spies.items():
+        setattr(owner, name, spy)
+    return spies
+
+
+def _calls(spies: dict[str, mock.Mock]) -> dict[str, int]:
+    return {name: spy.call_count for name, spy in spies.items()}
+
+
+def _never_drafting(choice: DraftLength) -> None:
+    """Give `choice` round times (those of the test above) that make it never draft."""
+    choice.round_ms = {1: list(IDLE_MS)}
+    choice.catch_up_ms = {1: 0.03}
+
+
+def _idle_stack(drafter: dict, target, temperature: float) -> HierarchicalDecoder:
+    """An auto stack that never drafts."""
+    decoder = _auto_stack(drafter, target, temperature, rows=4, timed=False)
+    _never_drafting(decoder.stack.top.draft_length)
+    return decoder
+
+
+def test_a_choice_that_never_drafts_leaves_the_drafter_out_and_samples_as_if_told(pair, verifier_and_head):  # noqa: F811
+    """Where no round will draft again the drafter is told nothing: a `model` drafter runs no forward past its
+    prefill and an EAGLE3 head stores no features and leaves no backlog (so its window forces no drafting round),
+    while the tokens are those of rounds of γ = 0 that tell it everything: at T = 1 the same seeded draws as a twin
+    whose drafter follows, at T = 0 the verifier's greedy tokens, and every block goes back at the end."""
+    draft, target = pair
+    prompts = [[5, 9, 13], [7] * 11, [2, 4]]
+    params = [SamplingParams(seed=s, max_tokens=40, ignore_eos=True) for s in (3, 4, 5)]
+    idle = _idle_stack({"kind": "model", "model": str(draft)}, target, 1.0)
+    told = _auto_stack({"kind": "model", "model": str(draft)}, target, 1.0, rows=4, timed=False)
+    _scheduled(told, [0])
+    calls = _spies(idle.stack.levels[0], "accept", "propose", "prefill")
+    got = [r.token_ids for r in idle.generate(prompts, params=params)]
+    assert got == [r.token_ids for r in told.generate(prompts, params=params)]
+    assert _calls(calls) == {"accept": 0, "propose": 0, "prefill": 1} and idle.stack.top.idle_drafter
+    assert told.stack.levels[0].state.pending_bound >= 39  # the twin's drafter was told every token
+    assert_pools_empty(idle)
+
+    verifier, head = verifier_and_head
+    idle = _idle_stack({"kind": "eagle3", "model": str(head)}, verifier, 0.0)
+    eagle = idle.stack.levels[0]
+    calls = _spies(eagle, "accept", "propose", "prefill", "_store")
+    n = eagle.max_pending + 20  # past the window's backlog limit
+    for prompt in prompts:
+        (result,) = idle.generate([prompt], max_new_tokens=n, ignore_eos=True)
+        assert result.token_ids == _hf_greedy(verifier, prompt, n)
+    assert _calls(calls) == {"accept": 0, "propose": 0, "prefill": 3, "_store": 3}  # the prefills' features only
+    assert eagle.pending_bound == 0 and idle.stack.top.drafted == 0
+    assert_pools_empty(idle)
+
+
 def test_an_eagle3_heads_backlog_ends_with_its_requests(verifier_and_head):  # noqa: F811
     """Pairs left waiting by rounds of γ = 0 belong to the rows that left them: once those have ended (the driver
     bounds every length to 0 before it admits the next rows) the backlog is 0, so the next requests' rounds of γ = 0
@@ -421,21 +503,59 @@ def test_rounds_without_drafts_recur_as_one_graph_while_the_drafter_falls_behind
     """A `model` drafter does not run in a round of γ = 0, so the tokens waiting for its next forward grow by one a
     round. Those rounds must still be one shape that is captured and replayed (units and captures emulated here; on
     an H100 each was a new shape run eagerly, and a 1 : 3 self-draft under auto decoded at 0.09-0.53x its target
-    alone). The probes of γ = 1 between them catch the drafter up, and the greedy tokens stay the target's."""
-    from hsmc.engine.graphs import CAPTURE_AFTER
+    alone), whatever the size of the draft before them (its rollback bound: on an H200 rounds of γ = 0 after a draft
+    of 1 missed the graphs a warmup captured after drafts of 8). A replay runs with the host ints of its capture, as
+    a CUDA graph does. The drafts between the streaks catch the drafter up, and the greedy tokens stay the target's."""
+    from hsmc.engine.graphs import CAPTURE_AFTER, Graphs
 
     target = pair[1]
     decoder = _graphed_auto_stack(pair, monkeypatch)
+    _bake_host_ints(monkeypatch, Graphs)
     level = decoder.stack.top
-    taken = _scheduled(decoder, [0] * 19 + [1])
+    taken = _scheduled(decoder, [0] * 19 + [3] + [0] * 19 + [1] + [0] * 19 + [2])
     prompt = [5, 9, 13]
-    (result,) = decoder.generate([prompt], max_new_tokens=60, ignore_eos=True)
-    assert result.token_ids == _hf_greedy(str(target), prompt, 60)
+    (result,) = decoder.generate([prompt], max_new_tokens=90, ignore_eos=True)
+    assert result.token_ids == _hf_greedy(str(target), prompt, 90)
     bare = taken.count(0)
-    assert taken.count(1) >= 2 and bare >= 40
-    # one shape before the first probe and one after (the drafter's last proposal: none, then 1), each captured
-    # once it recurs
-    assert level.bare_rounds.replays >= bare - 2 * CAPTURE_AFTER, (level.bare_rounds.replays, bare)
+    assert set(taken) == {0, 1, 2, 3} and bare >= 50
+    assert len(level.bare_rounds.captured) == 1  # one shape: after no draft, and after drafts of 3, 1 and 2
+    assert level.bare_rounds.replays >= bare - CAPTURE_AFTER, (level.bare_rounds.replays, bare)
+    assert_pools_empty(decoder)
+
+
+def _bake_host_ints(monkeypatch, graphs) -> None:
+    """Emulated replays run with the host ints their capture saw (a CUDA graph bakes in what the code read then);
+    `Graphs` restores the ints the replay should leave afterwards, as on CUDA."""
+    capture = graphs._capture
+
+    def baking(self, key, static, before, after, context, options):
+        outputs = capture(self, key, static, before, after, context, options)
+        replayer = self.captured[key].graph
+        replay = replayer.replay
+
+        def replay_as_captured() -> None:
+            self.restore(before)
+            replay()
+
+        replayer.replay = replay_as_captured
+        return outputs
+
+    monkeypatch.setattr(graphs, "_capture", baking)
+
+
+def test_rounds_that_leave_the_drafter_out_recur_as_one_graph(verifier_and_head, monkeypatch):  # noqa: F811
+    """Rounds of a choice that never drafts are their own graph's shape (the drafter left out is a key), captured
+    once it recurs and replayed (units and captures emulated), the greedy tokens the verifier's."""
+    from hsmc.engine.graphs import CAPTURE_AFTER
+
+    decoder = _graphed_auto_stack(verifier_and_head, monkeypatch, drafter="eagle3")
+    level = decoder.stack.top
+    _never_drafting(level.draft_length)
+    prompt = [5, 9, 13]
+    (result,) = decoder.generate([prompt], max_new_tokens=90, ignore_eos=True)
+    assert result.token_ids == _hf_greedy(verifier_and_head[0], prompt, 90)
+    assert level.idle_drafter and level.rounds.replays == 0
+    assert level.bare_rounds.replays >= 89 - CAPTURE_AFTER, level.bare_rounds.replays
     assert_pools_empty(decoder)
 
 

@@ -14,7 +14,11 @@ is observed: now and then a round drafts anyway (γ = 1, the cheapest), as seldo
 under PROBE_SHARE of the time, so that better acceptance is noticed. A probe's extra time counts the drafters'
 catch-up (`catch_up_ms`, also measured at start): the tokens of the rounds they sat out are processed at the probe,
 a cost per token however rare the probes. Where that cost alone exceeds PROBE_SHARE of a round, no probe interval
-pays and γ = 0 stays until the next timing.
+pays and γ = 0 stays until the next timing. Where that holds at every batch size timed (`never_drafts`), no round
+drafts again and none is read, so nothing could change the plans but a drafting round launched before and read
+after: the choice goes `idle` (γ = 0 until the times change, whatever is read), and the rejection level leaves its
+drafters out of the rounds (no tokens or features handed to them, no backlog, so no drafting round forced by an
+EAGLE3 head's window every 55 rounds: docs/measurements/2026-11-29-h200-idle-drafter.txt).
 The choice only ever depends on rounds already read, never on the round it is for, so every round is an ordinary
 speculative-sampling round and the output stays an exact sample of the verifier's law.
 """
@@ -62,7 +66,7 @@ class DraftLength:
 
     @round_ms.setter
     def round_ms(self, times: dict[int, list[float]] | None) -> None:
-        self._round_ms, self._plans = times, {}
+        self._round_ms, self._plans, self.idle = times, {}, False
 
     @property
     def catch_up_ms(self) -> dict[int, float]:
@@ -113,9 +117,10 @@ class DraftLength:
             return self.forced
         if self.round_ms is None:
             return self.most // 2
-        if rows not in self._plans:
-            self._plans[rows] = self._plan(rows)
-        best, every = self._plans[rows]
+        if self.idle or self.never_drafts:
+            self.idle = True  # the drafters no longer follow the rows: none of them may draft again
+            return 0
+        best, every = self._plan_at(rows)
         if best:
             return best
         if every is None:
@@ -125,6 +130,19 @@ class DraftLength:
             return 0
         self.waited = 0
         return 1
+
+    @property
+    def never_drafts(self) -> bool:
+        """Whether the plan of every batch size timed is γ = 0 without probes (then so is that of every size between:
+        the round and catch-up times are linear there). Not while an arm is forced (a timing, a warmup)."""
+        if self.forced is not None or self.round_ms is None:
+            return False
+        return all(self._plan_at(rows) == (0, None) for rows in self.round_ms)
+
+    def _plan_at(self, rows: int) -> tuple[int, int | None]:
+        if rows not in self._plans:
+            self._plans[rows] = self._plan(rows)
+        return self._plans[rows]
 
     def _plan(self, rows: int) -> tuple[int, int | None]:
         """The arm that wins at `rows` rows (0: the target alone) and, for 0, the probe interval. It changes only
@@ -168,6 +186,7 @@ class DraftLength:
         self._plans = {}
         self.tree_rounds = [(0.0, 0.0) for _ in self.trees]  # per tree: tokens yielded, tokens predicted (discounted)
         self.waited = 0  # rounds at γ = 0 since the last drafting one
+        self.idle = False  # chose γ = 0 for good (`never_drafts` held): until the times change
 
 
 def _between(times: dict[int, float], rows: int) -> float:

@@ -84,6 +84,7 @@ class RejectionLevel:
         if draft_length is not None:
             longest = max(draft_length.shape(arm)[0] for arm in range(draft_length.arms))
         self.drafted = self.steps = 0  # drafts per row and steps, summed over steps (a chosen γ's mean)
+        self.idle_drafter = False  # the step's round leaves the drafter out (`auto` gone idle: `DraftLength`)
         self.step_growth = longest + 1
         self.laws = laws
         self.streams = streams
@@ -178,7 +179,10 @@ class RejectionLevel:
         choice = None
         if self.draft_length is not None:
             choice = self.draft_length.choose(rows.shape[0])
-            if choice == 0 and _backlog_full(self.waiting):
+            # no round drafts again (a timing or a warmup forces shapes on requests of their own): the drafter need
+            # not follow the rows, and its backlog forces no drafting round
+            self.idle_drafter = self.draft_length.idle and self.draft_length.forced is None
+            if choice == 0 and not self.idle_drafter and _backlog_full(self.waiting):
                 choice = 1  # the drafter may leave no more tokens waiting (an EAGLE3 head's feature window)
             self._take(*self.draft_length.shape(choice))
             self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
@@ -234,7 +238,7 @@ class RejectionLevel:
 
     def graph_parts(self) -> GraphParts:
         """What a round touches (the level's own and those of the levels below)."""
-        own = GraphParts(host=[HostField(self, "ahead"), HostField(self, "gamma"), HostField(self, "tree_budget")])
+        own = GraphParts(host=[HostField(self, n) for n in ("ahead", "gamma", "tree_budget", "idle_drafter")])
         return self.state.graph_parts() + self.laws.graph_parts() + self.drafter.graph_parts() + own
 
     def reset_stats(self) -> None:
@@ -308,7 +312,8 @@ class RejectionLevel:
         keys = self.streams.keys(rows, self.residual_purpose, base)
         token, _ = self.laws.at(rows).sample(step.logits[:, 0].float(), keys)
         self.state.append(rows, token[:, None])
-        self.drafter.accept(rows, base, token, step if self.drafter.feature_layers else None)
+        if not self.idle_drafter:
+            self.drafter.accept(rows, base, token, step if self.drafter.feature_layers else None)
         self.yields[0] += len(rows)
         self.row_counts[rows] += 1  # one round, one token
         self.acknowledged[rows] = base + 1
@@ -458,8 +463,11 @@ def _backlog_full(waiting: list[HostField]) -> bool:
 def _bare_round_fields(host: list[HostField], waiting: list[HostField]) -> list[HostField]:
     """The host ints of a round of γ = 0: the drafter does not run, so the tokens waiting for its next forward
     (`waiting`) only grow (one per round). As a key they would make every such round a new shape, none ever captured
-    (on an H100 a 1 : 3 self-draft under `auto` decoded at 0.09-0.53x its target alone); as a count they do not."""
-    return [replace(f, role="count") if f in waiting else f for f in host]
+    (on an H100 a 1 : 3 self-draft under `auto` decoded at 0.09-0.53x its target alone); as a count they do not.
+    The drafters' `proposed` (the last draft's size, a bound on an accept's rollback) is a count too: such a round
+    rolls nothing back, so one graph serves it after drafts of any size (as a key, a `model` drafter's rounds of
+    γ = 0 after a probe of γ = 1 missed the warmup's graphs, captured after drafts of γ = 8)."""
+    return [replace(f, role="count") if f in waiting or f.name == "proposed" else f for f in host]
 
 
 def _loosen(waiting: list[HostField]) -> None:

@@ -6,6 +6,7 @@ of the request). Tiny float32 models: differences are bugs, not rounding."""
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -98,6 +99,36 @@ def test_auto_draft_length_times_replays_and_decodes_the_cpus_greedy_tokens(stac
 
 
 @pytest.mark.parametrize("kind", ["rejection", "eagle3"])
+def test_auto_that_never_drafts_replays_rounds_without_the_drafter_and_draws_the_eagers_tokens(stacks, kind):
+    """`num_draft_tokens: auto` whose round times make it never draft (no γ pays at α = 0.5 and the catch-up
+    exceeds the probes' share): its rounds leave the drafter out, replay one graph without a sync and draw the eager
+    decoder's tokens for the same seeds at T = 1, longer than an EAGLE3 head's window, with no drafting round."""
+    *below, top = stacks[kind]
+    auto = [*below, {**top, "num_draft_tokens": "auto", "temperature": 1.0}]
+    params = [SamplingParams(seed=s, max_tokens=90, ignore_eos=True) for s in (3, 4, 5, 6)]
+
+    def untimed(**engine) -> HierarchicalDecoder:  # the times are set below: no start-up timing (minutes here)
+        with mock.patch.object(HierarchicalDecoder, "_time_rounds", lambda self, level: None):
+            d = decoder(auto, "cuda", **engine)
+        choice = d.stack.top.draft_length
+        choice.round_ms = {n: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3] for n in (1, 4)}
+        choice.catch_up_ms = {1: 0.03, 4: 0.03}
+        return d
+
+    def run(d: HierarchicalDecoder) -> list[list[int]]:
+        return [r.token_ids for r in d.generate(PROMPTS, params=params)]
+
+    eager = run(untimed(cuda_graphs=False))
+    graphed = untimed()
+    run(graphed)  # captures
+    assert without_syncs(lambda: run(graphed)) == eager
+    level = graphed.stack.top
+    assert level.idle_drafter and level.bare_rounds.replays > 80 and level.drafted == 0
+    graphed.driver.quiesce()
+    assert_pools_empty(graphed)
+
+
+@pytest.mark.parametrize("kind", ["rejection", "eagle3"])
 def test_auto_rounds_of_any_gamma_at_t1_decode_the_same_graphed_as_eager(stacks, kind):
     """`num_draft_tokens: auto` at T = 1 with γ on a schedule of long streaks of 0 (the drafter sits them out and
     catches up at the next draft: a `model` drafter's tokens, an EAGLE3 head's pairs): after `warmup()` the graphed
@@ -109,7 +140,9 @@ def test_auto_rounds_of_any_gamma_at_t1_decode_the_same_graphed_as_eager(stacks,
 
     def run(d: HierarchicalDecoder) -> list[list[int]]:
         picks = iter(schedule * 20)
-        d.stack.top.draft_length.choose = lambda rows: next(picks)
+        choice = d.stack.top.draft_length
+        choice.round_ms = dict(choice.round_ms)  # times set anew: a choice the warmup left idle drafts again
+        choice.choose = lambda rows: next(picks)
         return [r.token_ids for r in d.generate(PROMPTS, params=params)]
 
     eager = run(decoder(auto, "cuda", cuda_graphs=False))
