@@ -14,12 +14,12 @@ end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), a
 ratios to the baseline, and the noise: the range of each pass's decode ratio to the target alone's pass of the same
 round (for the target alone, of its passes against their median).
 
-`--explain [γ ...]` prints instead where a round's time goes, rounds of each γ given (0 if none: auto's floor)
-against the target's step: per round, the wall time and the tokens it yields, on CUDA the time the GPU was busy
-(the union of the kernels' spans under torch.profiler: below the wall time, the host keeps the GPU waiting), and
-the kernels (CUDA) or the aten ops of the top's steps (CPU), their count and summed time, and those that differ
-most from the target alone's (by time on CUDA, by count on the CPU, where an op's time is mostly the machine's
-noise).
+`--explain [γ ...]` prints instead where a round's time goes, rounds of each γ given (0 if none: auto's floor;
+`auto`: auto left to choose, which leaves its drafters out once it never drafts) against the target's step: per
+round, the wall time and the tokens it yields, on CUDA the time the GPU was busy (the union of the kernels' spans
+under torch.profiler: below the wall time, the host keeps the GPU waiting), and the kernels (CUDA) or the aten ops
+of the top's steps (CPU), their count and summed time, and those that differ most from the target alone's (by time
+on CUDA, by count on the CPU, where an op's time is mostly the machine's noise).
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ from hsmc.models.demo import demo_model_folder
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "evals" / "data" / "gsm8k_test.jsonl"
 HEAD = ROOT / "assets" / "eagle3-smollm2-135m-instruct"
+
+
+def _gamma(text: str) -> int | str:
+    return text if text == "auto" else int(text)
 
 
 def _levels(drafter: str | None, gamma: int | str, temperature: float, dtype: str) -> list[dict]:
@@ -81,7 +85,7 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's and self-draft's"
     )
-    parser.add_argument("--explain", nargs="*", type=int, help="where a round of each γ goes (see above)")
+    parser.add_argument("--explain", nargs="*", type=_gamma, help="where a round of each γ (or auto) goes (see above)")
     args = parser.parse_args()
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
     if args.device == "cuda":
@@ -145,13 +149,13 @@ def main() -> None:
             decoder.close()
 
 
-def _explain(args: argparse.Namespace, question: str, device: str, gammas: list[int]) -> None:
+def _explain(args: argparse.Namespace, question: str, device: str, gammas: list[int | str]) -> None:
     cuda = args.device == "cuda"
     n = args.new_tokens
     counted = "kernels of the graphed decoder under torch.profiler" if cuda else "aten ops of the top's steps"
     print(
         f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, the first GSM8K question, per round of a "
-        f"decode of {n} new tokens less one of 1; auto's γ forced; {counted}"
+        f"decode of {n} new tokens less one of 1; auto's γ forced but for `auto`; {counted}"
         + ("; busy: the union of the kernels' spans" * cuda)
     )
     for temperature in args.temperature:
@@ -160,11 +164,13 @@ def _explain(args: argparse.Namespace, question: str, device: str, gammas: list[
             decoder = _forced(drafter, gamma, temperature, args, question)
             ops[drafter, gamma], busy, tokens = _per_round_ops(decoder, question, n, cuda)
             wall = statistics.median(_pass(decoder, [question], n)[1] for _ in range(args.repeats)) / (n - 1) * 1e3
+            label = "none" if drafter is None else f"{drafter} γ={gamma}"
+            if gamma == "auto":
+                label = f"{drafter} {'auto, idle' if decoder.stack.top.draft_length.idle else 'auto'}"
             decoder.close()
             count, ms = sum(c for c, _ in ops[drafter, gamma].values()), sum(t for _, t in ops[drafter, gamma].values())
-            label = "none" if drafter is None else f"{drafter} γ={gamma}"
             print(
-                f"T={temperature:g} {label:>14}: wall {wall * tokens:.3f} ms/round ({tokens:.2f} tokens)"
+                f"T={temperature:g} {label:>21}: wall {wall * tokens:.3f} ms/round ({tokens:.2f} tokens)"
                 + (f", GPU busy {busy:.3f}" if cuda else "")
                 + f"; {count:.0f} {'kernels' if cuda else 'ops'}/round summing {ms:.3f} ms",
                 flush=True,
@@ -178,14 +184,14 @@ def _explain(args: argparse.Namespace, question: str, device: str, gammas: list[
 
 
 def _forced(
-    drafter: str | None, gamma: int, temperature: float, args: argparse.Namespace, question: str
+    drafter: str | None, gamma: int | str, temperature: float, args: argparse.Namespace, question: str
 ) -> HierarchicalDecoder:
-    """The target alone, or a drafter's auto taking γ every round; warmed up."""
+    """The target alone, or a drafter's auto taking γ every round (left to choose if γ is `auto`); warmed up."""
     levels = _levels(drafter, "auto" if drafter is not None else 0, temperature, args.dtype)
     decoder = HierarchicalDecoder.from_config(
         {"levels": levels, "engine": {"max_batch_rows": 1, "device": args.device}}
     )
-    if drafter is not None:
+    if drafter is not None and gamma != "auto":
         decoder.stack.top.draft_length.forced = gamma
     _pass(decoder, [question], args.new_tokens)
     return decoder
