@@ -41,6 +41,20 @@ def test_tree_at_temperature_zero_equals_verifier_greedy(target, rule, draft_t):
     assert_greedy_as_target_with_partial_acceptance(decoder, target, _hf_greedy)
 
 
+def test_draft_aware_under_a_greedy_verifier_drafts_the_top_k_tree_of_target_only(target):
+    """A greedy verifier keeps only its argmax, so under it draft_aware drafts the top-k of q, as target_only does
+    (children drawn from q would only find the argmax less often): the same tokens, round by round the same
+    accepted lengths."""
+    runs = {}
+    for rule, draft_t in [("target_only", 0.0), ("draft_aware", 1.0)]:
+        decoder = _tree_stack(target, target, draft_t, 0.0, rule, depth=4, topk=2, budget=8, draft_layers=3)
+        results = decoder.generate([[5, 9, 2], [7, 1]], max_new_tokens=32, ignore_eos=True, seed=3)
+        accepted = decoder.stack.top.yields.tolist()  # rounds by drafts kept
+        runs[rule] = [r.token_ids for r in results], accepted, results[0].stats["levels"][1]["mean_accepted_length"]
+    assert runs["draft_aware"] == runs["target_only"]
+    assert runs["target_only"][2] > 1.2, "the trees' drafts should be used"
+
+
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     root = tmp_path_factory.mktemp("small-tree")
