@@ -43,13 +43,10 @@ def test_tree_at_temperature_zero_equals_verifier_greedy(target, rule, draft_t):
 
 @pytest.fixture(scope="module")
 def small_eagle(tmp_path_factory):
-    """A head whose top-2 often holds its verifier's argmax: verifier vocabulary 6, draft vocabulary 4."""
-    from test_eagle_checkpoint import published_layout
-    from test_eagle_level import SIZES
+    """A head whose top-2 often holds its verifier's argmax (verifier vocabulary 6, draft vocabulary 4)."""
+    from test_eagle_level import make_small_vocab_pair
 
-    root = tmp_path_factory.mktemp("tree-small-eagle")
-    verifier = make_tiny_model("llama", root / "verifier", seed=4, vocab_size=6, eos_token_id=5)
-    head, _ = published_layout(root / "head", dtype=torch.float32, sizes=(*SIZES, 6, 4), scale=0.5, seed=9)
+    verifier, head = make_small_vocab_pair(tmp_path_factory.mktemp("tree-small-eagle"))
     return head, verifier
 
 
