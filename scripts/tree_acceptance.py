@@ -4,10 +4,11 @@
 
 [eagle3 head, rejection SmolLM2] on the first GSM8K test questions (the shipped head and the offline SmolLM2 of
 configs/demo.yaml): each row verifies `budget` drafts per round — a chain of γ = budget, or a tree of that budget
-(depth and top-k from SHAPES). draft_aware draws its children from the head's law, so at T = 0 the head samples
-at T = 1 (the verifier stays greedy). Prints one row per (T, budget, drafting): mean accepted length per verify
-(tokens emitted per round) and tokens/s on this machine. Any head temperature keeps draft_aware exact (children are
-drawn from the law they are verified against): --draft-aware-temperature tries a sharper one.
+(depth and top-k from SHAPES). draft_aware draws its children from the head's law, so its head needs T > 0 (1 at
+T = 0, where a greedy verifier makes it draft the top-k as target_only does). Prints one row per (T, budget,
+drafting): mean accepted length per verify (tokens emitted per round) and tokens/s on this machine. Any head
+temperature keeps draft_aware exact (children are drawn from the law they are verified against):
+--draft-aware-temperature tries a sharper one.
 """
 
 from __future__ import annotations

@@ -51,13 +51,16 @@ def test_temperature_zero_equals_verifier_greedy(verifier_and_head, draft_t, pro
     assert_pools_empty(decoder)
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
+def make_small_vocab_pair(root):
     """Verifier vocabulary 6, draft vocabulary 4: q is zero on two tokens the verifier can emit."""
-    root = tmp_path_factory.mktemp("eagle-small")
     verifier = make_tiny_model("llama", root / "verifier", seed=4, vocab_size=6, eos_token_id=5)
     head, _ = published_layout(root / "head", dtype=torch.float32, sizes=(*SIZES, 6, 4), scale=0.5, seed=9)
     return verifier, head
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    return make_small_vocab_pair(tmp_path_factory.mktemp("eagle-small"))
 
 
 @pytest.mark.parametrize("draft_t", [1.0, 0.0], ids=["sampled-drafts", "deterministic-drafts"])

@@ -42,6 +42,36 @@ def test_tree_at_temperature_zero_equals_verifier_greedy(target, rule, draft_t):
 
 
 @pytest.fixture(scope="module")
+def small_eagle(tmp_path_factory):
+    """A head whose top-2 often holds its verifier's argmax (verifier vocabulary 6, draft vocabulary 4)."""
+    from test_eagle_level import make_small_vocab_pair
+
+    verifier, head = make_small_vocab_pair(tmp_path_factory.mktemp("tree-small-eagle"))
+    return head, verifier
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3"])
+def test_draft_aware_under_a_greedy_verifier_drafts_the_top_k_tree_of_target_only(target, small_eagle, kind):
+    """A greedy verifier keeps only its argmax, so under it draft_aware drafts the top-k of q, as target_only does
+    (children drawn from q would only find the argmax less often): the same tokens, round by round the same
+    accepted lengths."""
+    head, verifier = small_eagle
+    runs = {}
+    for rule, draft_t in [("target_only", 0.0), ("draft_aware", 1.0)]:
+        drafter = {"kind": "model", "model": str(target), "num_layers": 3, "temperature": draft_t}
+        prompts = [[5, 9, 2], [7, 1]]
+        if kind == "eagle3":
+            drafter, prompts = {"kind": "eagle3", "model": str(head), "temperature": draft_t}, [[1, 4, 2], [3]]
+        tree = {"tree": {"depth": 4, "topk": 2, "budget": 8}, "tree_rule": rule}
+        decoder = _levels(drafter, verifier if kind == "eagle3" else target, **tree)
+        results = decoder.generate(prompts, max_new_tokens=32, ignore_eos=True, seed=3)
+        accepted = decoder.stack.top.yields.tolist()  # rounds by drafts kept
+        runs[rule] = [r.token_ids for r in results], accepted, results[0].stats["levels"][1]["mean_accepted_length"]
+    assert runs["draft_aware"] == runs["target_only"]
+    assert runs["target_only"][2] > 1.1, "the trees' drafts should be used"
+
+
+@pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     root = tmp_path_factory.mktemp("small-tree")
     return (

@@ -347,11 +347,13 @@ class RejectionLevel:
         rolled back, its slots freed). Its distributions are those along the accepted path."""
         shape = self.tree
         draft_aware = self.tree_rule == "draft_aware"
-        tree = self.drafter.propose_tree(rows, shape, sampled=draft_aware)
+        law = self.laws.at(rows)
+        # a greedy verifier keeps only its argmax, which the top-k of q holds more often than children drawn from q;
+        # either rule is exact for any children under a one-hot p'
+        tree = self.drafter.propose_tree(rows, shape, sampled=draft_aware and not law.greedy)
         base = self.state.seq_len[rows]  # the first draft's position
         start = base - 1  # the root's column in the verifier's KV
         seen = ancestors(tree, shape.depth)
-        law = self.laws.at(rows)
         logits, features = self.state.forward_tree(rows, tree.tokens, tree.depth, seen)
         logp = law.log_probs(logits.float())  # [R, N, V]
         nodes = torch.arange(tree.size, device=rows.device)
