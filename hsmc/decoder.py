@@ -19,7 +19,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -35,9 +35,6 @@ from hsmc.models.loading import LoadedModel
 from hsmc.models.parallel import SINGLE
 from hsmc.preflight import check_stop_strings, prompt_token_ids
 from hsmc.requests import Increment, Particle, Result, SamplingParams, SMCOutcome, derive_seed
-
-if TYPE_CHECKING:
-    from tqdm import tqdm
 
 __all__ = ["GenerationInterrupted", "HierarchicalDecoder", "Increment", "Particle", "Result", "SMCOutcome"]
 WARMUP_STEPS = 12  # steps of each warmup batch: its steady shapes make 8 of the last 16 rounds, and are captured
@@ -107,13 +104,12 @@ class HierarchicalDecoder:
         """`num_draft_tokens: auto` / `tree: auto`: each arm's round time on this machine (a chain's γ, a tree), from
         a synthetic request decoded with it (the fastest run of one token, the prefill's, subtracted: one stalled
         short run cannot make it negative), the fastest of TIMING_REPEATS timings after one untimed run (the first
-        calls of a process are slower), the arms taking turns (`_time_arms`). With CUDA graphs each shape is captured
-        at its first run and a timing during which any graph was captured is taken again: a capture costs more than
-        many rounds (on an H100 such timings came out negative). Timed at 1, 4, 16, ... requests and at as many as the
-        rows (and the KV pools) hold: a round's time is flat while the weight read bounds it and grows with the rows
-        once the arithmetic does, and the choice at a batch size between takes the times linearly between its
-        neighbours. Then, per batch size, the drafters' catch-up on a round without drafts (`_catch_up_ms`), which a
-        probe pays."""
+        calls of a process are slower). With CUDA graphs each shape is captured at its first run and a timing
+        during which any graph was captured is taken again: a capture costs more than many rounds (on an H100 such
+        timings came out negative). Timed at 1, 4, 16, ... requests and at as many as the rows (and the KV pools)
+        hold: a round's time is flat while the weight read bounds it and grows with the rows once the arithmetic
+        does, and the choice at a batch size between takes the times linearly between its neighbours. Then, per batch
+        size, the drafters' catch-up on a round without drafts (`_catch_up_ms`), which a probe pays."""
         from tqdm import tqdm
 
         choice, scope = level.draft_length, self.stack.scope
@@ -130,8 +126,29 @@ class HierarchicalDecoder:
             choice.forced = choice.most
             self.generate([prompt], max_new_tokens=TIMING_ROUNDS * (choice.most + 1), ignore_eos=True)
             times: dict[int, list[float]] = {}
-            for n in sizes:
-                times[n] = self._time_arms(level, [prompt] * n, bar)
+            for n, arm in ((n, arm) for n in sizes for arm in range(choice.arms)):
+                choice.forced, ones, longs, ms = arm, [], [], 0.0
+                for _ in range(TIMING_REPEATS + TIMING_RETRIES):
+                    graphs, spans = scope.graphs_captured(), []
+                    for tokens in (1, TIMING_ROUNDS * (choice.shape(arm)[0] + 1)):
+                        began = time.perf_counter()
+                        self.generate([prompt] * n, max_new_tokens=tokens, ignore_eos=True)
+                        spans.append((time.perf_counter() - began, level.steps))
+                    (one, steps_before), (long, steps_after) = spans
+                    if scope.graphs_captured() == graphs:
+                        ones.append(one)
+                        longs.append((long, max(steps_after - steps_before, 1)))
+                    # each run's fastest: a stall in one short run must not make the difference negative
+                    ms = 1000 * min((t - min(ones)) / rounds for t, rounds in longs) if longs else 0.0
+                    if len(longs) >= TIMING_REPEATS and ms > 0:
+                        break
+                if ms <= 0:
+                    raise RuntimeError(
+                        f"draft shape auto: no clean timing of {choice.shape(arm)} (each captured a CUDA graph or the"
+                        " machine stalled)"
+                    )
+                times.setdefault(n, []).append(ms)
+                bar.update()
             choice.forced, catch_up = 0, {}
             for n in sizes:
                 catch_up[n] = self._catch_up_ms(prompt, n)
@@ -141,40 +158,6 @@ class HierarchicalDecoder:
             bar.close()
         choice.round_ms, choice.catch_up_ms = times, catch_up
         choice.forget()
-
-    def _time_arms(self, level: RejectionLevel, prompts: list[list[int]], bar: tqdm) -> list[float]:
-        """Each arm's round time in ms at this batch size. The arms take turns, one timing each per pass, so a slow
-        stretch of the machine (a stall, a clock change) longer than one timing slows one timing of several arms, not
-        every timing of one arm: timed one arm after the other, γ = 8 came out no dearer than γ = 0 at some batch size
-        in 3 of 8 runs of a GPU test on an H200."""
-        choice, scope = level.draft_length, self.stack.scope
-        ones: list[list[float]] = [[] for _ in range(choice.arms)]
-        longs: list[list[tuple[float, int]]] = [[] for _ in range(choice.arms)]
-        ms = [0.0] * choice.arms
-        pending = list(range(choice.arms))
-        for _ in range(TIMING_REPEATS + TIMING_RETRIES):
-            for arm in pending:
-                choice.forced, graphs, spans = arm, scope.graphs_captured(), []
-                for tokens in (1, TIMING_ROUNDS * (choice.shape(arm)[0] + 1)):
-                    began = time.perf_counter()
-                    self.generate(prompts, max_new_tokens=tokens, ignore_eos=True)
-                    spans.append((time.perf_counter() - began, level.steps))
-                (one, steps_before), (long, steps_after) = spans
-                if scope.graphs_captured() == graphs:
-                    ones[arm].append(one)
-                    longs[arm].append((long, max(steps_after - steps_before, 1)))
-                # each run's fastest: a stall in one short run must not make the difference negative
-                fastest = [(t - min(ones[arm])) / rounds for t, rounds in longs[arm]]
-                ms[arm] = 1000 * min(fastest) if fastest else 0.0
-            done = [arm for arm in pending if len(longs[arm]) >= TIMING_REPEATS and ms[arm] > 0]
-            bar.update(len(done))
-            pending = [arm for arm in pending if arm not in done]
-            if not pending:
-                return ms
-        raise RuntimeError(
-            f"draft shape auto: no clean timing of {choice.shape(pending[0])} at {len(prompts)} requests (each"
-            " captured a CUDA graph or the machine stalled)"
-        )
 
     def _catch_up_ms(self, prompt: list[int], n: int) -> float:
         """The drafters' forward time per token each of `n` rows leaves them in a round of γ = 0, in ms: a drafter
