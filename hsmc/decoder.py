@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import math
 import queue
 import signal
 import sys
@@ -39,7 +40,8 @@ from hsmc.requests import Increment, Particle, Result, SamplingParams, SMCOutcom
 __all__ = ["GenerationInterrupted", "HierarchicalDecoder", "Increment", "Particle", "Result", "SMCOutcome"]
 WARMUP_STEPS = 12  # steps of each warmup batch: its steady shapes make 8 of the last 16 rounds, and are captured
 WARMUP_PROMPTS = (8, 24, 64, 128, 256, 512, 1024)  # prompt lengths whose prefills the warmup runs once
-TIMING_ROUNDS = 4  # a chosen draft shape (auto) times each arm over about this many rounds of a synthetic request ...
+TIMING_ROUNDS = 16  # a chosen draft shape (auto) times each arm over about this many rounds of a synthetic request
+TIMING_DEEPEST_ROUNDS = 4  # ... in at most as many tokens as this many rounds of its deepest draft keeping them all ...
 TIMING_REPEATS = 2  # ... this many times, keeping the fastest ...
 TIMING_RETRIES = 4  # ... of timings without a graph capture (at most this many more tries)
 CATCH_UP_TOKENS = 32  # a drafter's catch-up is timed from prompts this many tokens longer (`_catch_up_ms`)
@@ -101,21 +103,23 @@ class HierarchicalDecoder:
             self._time_rounds(self.stack.top)
 
     def _time_rounds(self, level: RejectionLevel) -> None:
-        """`num_draft_tokens: auto` / `tree: auto`: each arm's round time on this machine (a chain's γ, a tree), from
-        a synthetic request decoded with it (the fastest run of one token, the prefill's, subtracted: one stalled
-        short run cannot make it negative), the fastest of TIMING_REPEATS timings after one untimed run (the first
-        calls of a process are slower). With CUDA graphs each shape is captured at its first run and a timing
-        during which any graph was captured is taken again: a capture costs more than many rounds (on an H100 such
-        timings came out negative). Timed at 1, 4, 16, ... requests and at as many as the rows (and the KV pools)
-        hold: a round's time is flat while the weight read bounds it and grows with the rows once the arithmetic
+        """`num_draft_tokens: auto` / `tree: auto`: each arm's round time on this machine (a chain's γ, a tree), from a
+        synthetic request decoded with it (the fastest run of one token, the prefill's, subtracted: one stalled short
+        run cannot make it negative), the fastest of TIMING_REPEATS timings after one untimed run (the first calls of a
+        process are slower). Every arm is timed over about TIMING_ROUNDS rounds, however many tokens its rounds keep
+        (given the tokens of 4 rounds that keep all their drafts, γ = 0 got 3 rounds, too few for the host's noise:
+        docs/measurements/2026-11-29-h200-auto-timing-rounds.txt). With CUDA graphs each shape is captured at its first
+        run and a timing during which any graph was captured is taken again: a capture costs more than many rounds (on
+        an H100 such timings came out negative). Timed at 1, 4, 16, ... requests and at as many as the rows (and the KV
+        pools) hold: a round's time is flat while the weight read bounds it and grows with the rows once the arithmetic
         does, and the choice at a batch size between takes the times linearly between its neighbours. Then, per batch
         size, the drafters' catch-up on a round without drafts (`_catch_up_ms`), which a probe pays."""
         from tqdm import tqdm
 
         choice, scope = level.draft_length, self.stack.scope
         prompt = [t % self.vocab_size for t in range(1, 17)]
-        longest = len(prompt) + max(TIMING_ROUNDS * (max(choice.shape(arm)[0] for arm in range(choice.arms)) + 1),
-                                    CATCH_UP_TOKENS + 1)  # fmt: skip
+        most_tokens = TIMING_DEEPEST_ROUNDS * (max(choice.shape(arm)[0] for arm in range(choice.arms)) + 1)
+        longest = len(prompt) + max(most_tokens, CATCH_UP_TOKENS + 1)
         fit = self.stack.capacity // (longest + self.stack.lookahead)  # requests the KV pools hold at once
         full = max(1, min(self.stack.max_rows // self.stack.rows_per_prompt, fit))
         sizes = sorted({1, full, *(4**k for k in range(1, full.bit_length()) if 2 * 4**k <= full)})
@@ -124,20 +128,24 @@ class HierarchicalDecoder:
         was, scope.capturing = scope.capturing, "every"
         try:
             choice.forced = choice.most
-            self.generate([prompt], max_new_tokens=TIMING_ROUNDS * (choice.most + 1), ignore_eos=True)
+            self.generate([prompt], max_new_tokens=most_tokens, ignore_eos=True)
             times: dict[int, list[float]] = {}
             for n, arm in ((n, arm) for n in sizes for arm in range(choice.arms)):
                 choice.forced, ones, longs, ms = arm, [], [], 0.0
+                tokens = min(most_tokens, TIMING_ROUNDS + 1)  # a round keeps at least one token
                 for _ in range(TIMING_REPEATS + TIMING_RETRIES):
                     graphs, spans = scope.graphs_captured(), []
-                    for tokens in (1, TIMING_ROUNDS * (choice.shape(arm)[0] + 1)):
+                    for run in (1, tokens):
                         began = time.perf_counter()
-                        self.generate([prompt] * n, max_new_tokens=tokens, ignore_eos=True)
+                        self.generate([prompt] * n, max_new_tokens=run, ignore_eos=True)
                         spans.append((time.perf_counter() - began, level.steps))
                     (one, steps_before), (long, steps_after) = spans
+                    rounds = max(steps_after - steps_before, 1)
                     if scope.graphs_captured() == graphs:
                         ones.append(one)
-                        longs.append((long, max(steps_after - steps_before, 1)))
+                        longs.append((long, rounds))
+                    # as many tokens as TIMING_ROUNDS rounds keep at the rate seen
+                    tokens = min(most_tokens, 1 + math.ceil(TIMING_ROUNDS * (tokens - 1) / rounds))
                     # each run's fastest: a stall in one short run must not make the difference negative
                     ms = 1000 * min((t - min(ones)) / rounds for t, rounds in longs) if longs else 0.0
                     if len(longs) >= TIMING_REPEATS and ms > 0:

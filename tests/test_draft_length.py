@@ -14,7 +14,7 @@ from test_eagle_level import small_vocab, verifier_and_head  # noqa: F401
 from test_rejection import _chi2_pvalue, _exact_first_tokens, _hf_greedy, pair, small_vocab_pair  # noqa: F401
 
 from hsmc.config import AUTO_MOST_DRAFTS, load_config
-from hsmc.decoder import TIMING_ROUNDS, HierarchicalDecoder
+from hsmc.decoder import TIMING_DEEPEST_ROUNDS, HierarchicalDecoder
 from hsmc.errors import ConfigError
 from hsmc.levels.draft_length import DRAFT_MARGIN, PROBE_SHARE, DraftLength, expected_tokens
 from hsmc.levels.tree import TreeShape
@@ -262,7 +262,7 @@ def test_start_times_every_gamma_and_a_longer_round_costs_more(pair):  # noqa: F
     draft, target = pair
     decoder = _auto_stack({"kind": "model", "model": str(draft)}, target, 0.0, capacity=600)
     choice = decoder.stack.top.draft_length
-    longest = 16 + TIMING_ROUNDS * (AUTO_MOST_DRAFTS + 1) + decoder.stack.lookahead  # a timing request's tokens
+    longest = 16 + TIMING_DEEPEST_ROUNDS * (AUTO_MOST_DRAFTS + 1) + decoder.stack.lookahead  # a timing request's tokens
     full = 600 // longest
     assert 8 <= full < 16 and set(choice.round_ms) == {1, 4, full}  # 1, 4, ... requests and what the KV pools hold
     assert set(choice.catch_up_ms) == set(choice.round_ms)  # and the drafter's catch-up at each
