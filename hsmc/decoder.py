@@ -147,7 +147,7 @@ class HierarchicalDecoder:
                     # as many tokens as TIMING_ROUNDS rounds keep at the rate seen
                     tokens = min(most_tokens, 1 + math.ceil(TIMING_ROUNDS * (tokens - 1) / rounds))
                     # each run's fastest: a stall in one short run must not make the difference negative
-                    ms = 1000 * min((t - min(ones)) / rounds for t, rounds in longs) if longs else 0.0
+                    ms = 1000 * min((t - min(ones)) / extra for t, extra in longs) if longs else 0.0
                     if len(longs) >= TIMING_REPEATS and ms > 0:
                         break
                 if ms <= 0:
