@@ -46,8 +46,7 @@ def small_eagle(tmp_path_factory):
     """A head whose top-2 often holds its verifier's argmax (verifier vocabulary 6, draft vocabulary 4)."""
     from test_eagle_level import make_small_vocab_pair
 
-    verifier, head = make_small_vocab_pair(tmp_path_factory.mktemp("tree-small-eagle"))
-    return head, verifier
+    return make_small_vocab_pair(tmp_path_factory.mktemp("tree-small-eagle"))
 
 
 @pytest.mark.parametrize("kind", ["model", "eagle3"])
@@ -55,7 +54,7 @@ def test_draft_aware_under_a_greedy_verifier_drafts_the_top_k_tree_of_target_onl
     """A greedy verifier keeps only its argmax, so under it draft_aware drafts the top-k of q, as target_only does
     (children drawn from q would only find the argmax less often): the same tokens, round by round the same
     accepted lengths."""
-    head, verifier = small_eagle
+    verifier, head = small_eagle
     runs = {}
     for rule, draft_t in [("target_only", 0.0), ("draft_aware", 1.0)]:
         drafter = {"kind": "model", "model": str(target), "num_layers": 3, "temperature": draft_t}
