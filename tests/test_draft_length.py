@@ -625,6 +625,22 @@ def test_warmup_captures_every_draft_shape_at_every_batch_size(pair, monkeypatch
     assert_pools_empty(decoder)
 
 
+def test_after_warmup_rounds_that_switch_gamma_replay_the_warmups_graphs(pair, monkeypatch):  # noqa: F811
+    """A round graph is keyed by the shape it drafts, not by the size of the draft before it (which the round sets
+    before its accept reads it): after `warmup()`, rounds switching γ between 4 and 2 every 3 rounds, the first round
+    of a request among them, all replay (units and captures emulated as on CUDA; keyed by the last draft's size, 14
+    of 41 such rounds ran eagerly), and the greedy tokens stay the target's."""
+    decoder = _graphed_auto_stack(pair, monkeypatch, rows=2)
+    level = decoder.stack.top
+    decoder.warmup(progress=False)
+    taken = _scheduled(decoder, [4] * 3 + [2] * 3)
+    prompts = [[5, 9, 13], [7] * 11]
+    results = decoder.generate(prompts, max_new_tokens=40, ignore_eos=True)
+    assert [r.token_ids for r in results] == [_hf_greedy(str(pair[1]), p, 40) for p in prompts]
+    assert {4, 2} == set(taken) and level.rounds.missed == 0 and level.rounds.replays == len(taken)
+    assert_pools_empty(decoder)
+
+
 def test_the_cost_model_prices_a_chosen_shape_at_the_drafts_its_rounds_took():
     """`hsmc bench` prices a rejection level's round at its drafter's forwards: γ for a chain, the depth for a tree,
     and for `auto` the mean its rounds took (not the longest arm)."""

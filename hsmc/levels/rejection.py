@@ -101,6 +101,7 @@ class RejectionLevel:
         self.fill = BlockFill(longest, self.yields, self._round_bytes())
         self.rounds = self.bare_rounds = None
         self.waiting = _waiting(drafter) if draft_length is not None else []  # loosened before a probe (`_cycle`)
+        self.last_drafts = _last_drafts(drafter) if draft_length is not None else []  # cleared before a draft
         if graph_rounds:
             host, scope = self.graph_parts().host, state.runner.scope
             self.rounds = Graphs(self._kept, scope, host, state.timer.whole)
@@ -280,6 +281,8 @@ class RejectionLevel:
         bare = self.gamma == 0 and self.tree is None and self.bare_rounds is not None
         if not bare and self.bare_rounds is not None:
             _loosen(self.waiting)
+            for field in self.last_drafts:
+                setattr(field.owner, field.name, 0)
         return self.bare_rounds if bare else self.rounds
 
     def _kept(
@@ -455,6 +458,14 @@ class RejectionLevel:
 def _waiting(drafter: Level) -> list[HostField]:
     """The drafter's bounds on the tokens waiting for its next forward (its own and its drafters')."""
     return [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
+
+
+def _last_drafts(drafter: Level) -> list[HostField]:
+    """The drafters' sizes of their last drafts (`proposed`, an accept's rollback bound). A round with drafts sets
+    them before its accept reads them, so the value a round starts with is no part of it; as a round graph's key it
+    made each round after a draft of another size a shape of its own, run eagerly after a warmup (emulated on the
+    CPU: 14 of 41 rounds switching γ between 4 and 2 every 3 rounds)."""
+    return [f for f in drafter.graph_parts().host if f.name == "proposed"]
 
 
 def _backlog_full(waiting: list[HostField]) -> bool:
