@@ -100,8 +100,13 @@ class RejectionLevel:
         self.row_counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=device)
         self.fill = BlockFill(longest, self.yields, self._round_bytes())
         self.rounds = self.bare_rounds = None
-        self.waiting = _waiting(drafter) if draft_length is not None else []  # loosened before a probe (`_cycle`)
-        self.last_drafts = _last_drafts(drafter) if draft_length is not None else []  # cleared before a draft
+        # the drafters' bounds on the tokens waiting for their next forward: loosened before a probe (`_loosen`)
+        self.waiting = _drafter_fields(drafter, "pending_bound") if draft_length is not None else []
+        # the drafters' sizes of their last drafts (an accept's rollback bound): cleared before a round with drafts,
+        # which sets them before its accept reads them. As a round graph's key they made each round after a draft of
+        # another size a shape of its own, run eagerly after a warmup (emulated on the CPU: 14 of 41 rounds switching
+        # γ between 4 and 2 every 3 rounds)
+        self.last_drafts = _drafter_fields(drafter, "proposed") if draft_length is not None else []
         if graph_rounds:
             host, scope = self.graph_parts().host, state.runner.scope
             self.rounds = Graphs(self._kept, scope, host, state.timer.whole)
@@ -455,17 +460,9 @@ class RejectionLevel:
         return accepted, token
 
 
-def _waiting(drafter: Level) -> list[HostField]:
-    """The drafter's bounds on the tokens waiting for its next forward (its own and its drafters')."""
-    return [f for f in drafter.graph_parts().host if f.name == "pending_bound"]
-
-
-def _last_drafts(drafter: Level) -> list[HostField]:
-    """The drafters' sizes of their last drafts (`proposed`, an accept's rollback bound). A round with drafts sets
-    them before its accept reads them, so the value a round starts with is no part of it; as a round graph's key it
-    made each round after a draft of another size a shape of its own, run eagerly after a warmup (emulated on the
-    CPU: 14 of 41 rounds switching γ between 4 and 2 every 3 rounds)."""
-    return [f for f in drafter.graph_parts().host if f.name == "proposed"]
+def _drafter_fields(drafter: Level, name: str) -> list[HostField]:
+    """The host fields called `name` among the drafter's round-graph keys (its own and its drafters')."""
+    return [f for f in drafter.graph_parts().host if f.name == name]
 
 
 def _backlog_full(waiting: list[HostField]) -> bool:
