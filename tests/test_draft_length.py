@@ -16,7 +16,7 @@ from test_rejection import _chi2_pvalue, _exact_first_tokens, _hf_greedy, pair, 
 from hsmc.config import AUTO_MOST_DRAFTS, load_config
 from hsmc.decoder import TIMING_DEEPEST_ROUNDS, HierarchicalDecoder
 from hsmc.errors import ConfigError
-from hsmc.levels.draft_length import DRAFT_MARGIN, PROBE_SHARE, DraftLength, expected_tokens
+from hsmc.levels.draft_length import DRAFT_MARGIN, IDLE_EVIDENCE, PROBE_SHARE, DraftLength, expected_tokens
 from hsmc.levels.tree import TreeShape
 from hsmc.requests import SamplingParams
 
@@ -162,7 +162,7 @@ def test_probes_pay_for_the_drafters_catch_up_and_stop_where_it_alone_exceeds_th
     """Round times of the 1 : 3 self-draft on 2 CPU cores (a γ = 1 round costs 36 ms more than the target's 70 ms)
     and a drafter's catch-up c per round it sat out: a probe's extra time over W rounds is 36 + W·c, so the interval
     grows until that is PROBE_SHARE of W rounds, and where c alone exceeds the share no interval does it and the
-    target runs alone."""
+    target runs alone (once IDLE_EVIDENCE drafts were read)."""
     choice = DraftLength(8)
     choice.round_ms = {1: [70.0 + 36.0 * g for g in range(9)], 16: [300.0 + 100.0 * g for g in range(9)]}
     choice.kept, choice.rejected = 10.0, 990.0  # α ≈ 0.01: no γ pays for itself
@@ -176,6 +176,7 @@ def test_probes_pay_for_the_drafters_catch_up_and_stop_where_it_alone_exceeds_th
     assert choice.catch_up(4) == pytest.approx(0.7 + (11.2 - 0.7) * 3 / 15)  # between the batch sizes timed
     choice.catch_up_ms = {1: 2.1, 16: 3.0}  # 16 rows: rounds of 300 ms, whose catch-up is within their share
     assert choice.probe_every(1) is None and choice.probe_every(16) == math.ceil(100.0 / (PROBE_SHARE * 300.0 - 3.0))
+    _with_evidence(choice)
     assert set(choice.choose(1) for _ in range(1000)) == {0}
 
 
@@ -350,6 +351,50 @@ def test_an_eagle3_head_sits_out_rounds_without_drafts_and_drafts_as_if_it_had_n
     assert drafts and drafts == _eagle_rounds(verifier, head, picks, every_round=True, tokens=80)[0]
 
 
+def _with_evidence(choice: DraftLength) -> None:
+    """Let `choice` have read IDLE_EVIDENCE drafts (rounds of γ = 1), its estimate of α left as it was."""
+    kept, rejected = choice.kept, choice.rejected
+    for _ in range(IDLE_EVIDENCE):
+        choice.observe(1, [0])
+    choice.kept, choice.rejected = kept, rejected
+
+
+def _read_rounds(choice: DraftLength, rate: float, rounds: int, seed: int = 0) -> list[int]:
+    """`rounds` rounds of one row chosen by `choice`, each draft kept with probability `rate` until one is not;
+    the arms taken."""
+    rng, taken = random.Random(seed), []
+    for _ in range(rounds):
+        arm = choice.choose(1)
+        taken.append(arm)
+        if arm:
+            kept = 0
+            while kept < arm and rng.random() < rate:
+                kept += 1
+            choice.observe(arm, [kept])
+    return taken
+
+
+def test_the_choice_goes_idle_for_good_only_after_enough_drafts_were_read():
+    """Round times of an H200 with SmolLM2 and its EAGLE3 head in bf16 (batch 1, catch-up 0.05 ms: no probe pays).
+    A pair keeping 65 % of its drafts (γ = 5 predicted 1.41x the target alone) keeps drafting however its first
+    rounds go; taking the idle decision at the first rounds read left it idle for good in 101 of 200 seeds and 181 of
+    200 when its first rounds kept 40 %. A drafter that keeps nothing costs IDLE_EVIDENCE rounds of γ = 1, then no
+    round drafts again."""
+    times, catch_up = {1: [0.79, 1.18, 1.28, 1.36, 1.46, 1.48, 1.62, 1.66, 1.85]}, {1: 0.05}
+    for seed in range(20):
+        good = DraftLength(8)
+        good.round_ms, good.catch_up_ms = times, catch_up
+        for _ in range(3):  # a hard start: three rounds of γ = 3 that keep nothing
+            good.observe(3, [0])
+        assert min(_read_rounds(good, 0.65, 300, seed)[-100:]) >= 2 and not good.idle
+    useless = DraftLength(8)
+    useless.round_ms, useless.catch_up_ms = times, catch_up
+    taken = _read_rounds(useless, 0.0, 300)
+    first = taken.index(1)  # after the prior's first rounds (of γ = 3), each of which read one draft
+    assert taken[first:IDLE_EVIDENCE] == [1] * (IDLE_EVIDENCE - first) and min(taken[:first]) > 1
+    assert set(taken[IDLE_EVIDENCE:]) == {0} and useless.idle and useless.read == IDLE_EVIDENCE
+
+
 def test_where_no_batch_size_drafts_or_probes_the_choice_goes_idle_until_the_times_change():
     """Round times of an H200 with SmolLM2 and its EAGLE3 head (fp32, T = 1): at α = 0.5 no γ pays, and the drafters'
     catch-up alone exceeds the probes' share at 1 and 16 rows, so no round will draft or be read (`never_drafts`):
@@ -359,6 +404,7 @@ def test_where_no_batch_size_drafts_or_probes_the_choice_goes_idle_until_the_tim
     times = {1: list(IDLE_MS)}
     times[16] = [3 * t for t in times[1]]
     choice.round_ms, choice.catch_up_ms = times, {1: 0.03, 16: 0.09}  # > PROBE_SHARE of 0.75 and of 2.25 ms
+    _with_evidence(choice)
     assert choice.never_drafts and not choice.idle
     assert set(choice.choose(n) for n in (1, 5, 16) for _ in range(500)) == {0} and choice.idle
     choice.observe(3, [3] * 50)  # α ≈ 0.9 now: γ = 3 would yield 3.44 tokens in 2.14 ms
@@ -366,6 +412,7 @@ def test_where_no_batch_size_drafts_or_probes_the_choice_goes_idle_until_the_tim
     choice.round_ms = dict(times)  # times change (a following rank's copy of the timing's): the plans follow α
     assert not choice.idle and choice.choose(1) > 0
     choice.forget()
+    _with_evidence(choice)
     choice.catch_up_ms = {1: 0.03, 16: 0.01}  # probes pay at 16 rows: a probe there may change every plan
     assert not choice.never_drafts and choice.choose(1) == 0 and not choice.idle
     choice.catch_up_ms = {1: 0.03, 16: 0.09}
@@ -386,9 +433,10 @@ def _calls(spies: dict[str, mock.Mock]) -> dict[str, int]:
 
 
 def _never_drafting(choice: DraftLength) -> None:
-    """Give `choice` round times (those of the test above) that make it never draft."""
+    """Give `choice` round times (those of the test above) and the reads that make it never draft."""
     choice.round_ms = {1: list(IDLE_MS)}
     choice.catch_up_ms = {1: 0.03}
+    _with_evidence(choice)
 
 
 def _idle_stack(drafter: dict, target, temperature: float) -> HierarchicalDecoder:

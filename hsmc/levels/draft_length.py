@@ -16,7 +16,10 @@ catch-up (`catch_up_ms`, also measured at start): the tokens of the rounds they 
 a cost per token however rare the probes. Where that cost alone exceeds PROBE_SHARE of a round, no probe interval
 pays and γ = 0 stays until the next timing. Where that holds at every batch size timed (`never_drafts`), no round
 drafts again and none is read, so nothing could change the plans but a drafting round launched before and read
-after: the choice goes `idle` (γ = 0 until the times change, whatever is read), and the rejection level leaves its
+after. That decision is for good, so it waits for IDLE_EVIDENCE drafts read since the timing (until then such rounds
+draft γ = 1): taken at the first read, one rejected draft after the prior decided it for half the runs of a pair
+keeping 65 % of its drafts, whose drafting paid (docs/measurements/2026-11-29-cpu-auto-idle-trap.txt). Then the
+choice goes `idle` (γ = 0 until the times change, whatever is read), and the rejection level leaves its
 drafters out of the rounds (no tokens or features handed to them, no backlog, so no drafting round forced by an
 EAGLE3 head's window every 55 rounds: docs/measurements/2026-11-29-h200-idle-drafter.txt).
 The choice only ever depends on rounds already read, never on the round it is for, so every round is an ordinary
@@ -37,6 +40,8 @@ DRAFT_MARGIN = 0.05  # drafting replaces the target alone only where predicted t
 # timing's error (γ = 1 timed at 1.24x a step cost 1.29-1.59x on a 2-core CPU), and the tolerance a GPU allows
 PROBE_SHARE = 0.02  # most share of the time that rounds drafting against the choice (to observe acceptance) take
 PRIOR = (1.0, 1.0)  # pseudo-counts (kept, rejected) before any round is read: α = 0.5
+IDLE_EVIDENCE = 32  # drafts read before the choice may go idle; a drafter that never pays costs this many γ = 1
+# rounds once per timing (~12 ms for SmolLM2's EAGLE3 head on an H200)
 TREE_PRIOR_TOKENS = 4.0  # a tree's yield over its prediction starts at 1 as if from rounds of this many tokens
 
 
@@ -124,7 +129,7 @@ class DraftLength:
         if best:
             return best
         if every is None:
-            return 0
+            return 1 if self.read < IDLE_EVIDENCE else 0  # γ = 0 for good only on evidence (`never_drafts`)
         self.waited += 1
         if self.waited < every:
             return 0
@@ -134,8 +139,9 @@ class DraftLength:
     @property
     def never_drafts(self) -> bool:
         """Whether the plan of every batch size timed is γ = 0 without probes (then so is that of every size between:
-        the round and catch-up times are linear there). Not while an arm is forced (a timing, a warmup)."""
-        if self.forced is not None or self.round_ms is None:
+        the round and catch-up times are linear there), with IDLE_EVIDENCE drafts read. Not while an arm is forced (a
+        timing, a warmup)."""
+        if self.forced is not None or self.round_ms is None or self.read < IDLE_EVIDENCE:
             return False
         return all(self._plan_at(rows) == (0, None) for rows in self.round_ms)
 
@@ -179,6 +185,7 @@ class DraftLength:
         elif depth:
             self.kept = self.kept * decay + sum(accepted)
             self.rejected = self.rejected * decay + sum(a < depth for a in accepted)
+            self.read += sum(min(a + 1, depth) for a in accepted)
 
     def forget(self) -> None:
         """Back to the prior (after the timing's synthetic requests)."""
@@ -186,6 +193,7 @@ class DraftLength:
         self._plans = {}
         self.tree_rounds = [(0.0, 0.0) for _ in self.trees]  # per tree: tokens yielded, tokens predicted (discounted)
         self.waited = 0  # rounds at γ = 0 since the last drafting one
+        self.read = 0  # drafts of chains read (kept, or the one rejected), undiscounted
         self.idle = False  # chose γ = 0 for good (`never_drafts` held): until the times change
 
 

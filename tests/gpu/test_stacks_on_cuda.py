@@ -16,6 +16,7 @@ from test_eagle_checkpoint import published_layout
 from test_eagle_level import SIZES
 
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.levels.draft_length import IDLE_EVIDENCE
 from hsmc.requests import SamplingParams
 
 PROMPTS = [[3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2], [11, 12]]
@@ -114,6 +115,9 @@ def test_auto_that_never_drafts_replays_rounds_without_the_drafter_and_draws_the
         choice = d.stack.top.draft_length
         choice.round_ms = {n: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3] for n in (1, 4)}
         choice.catch_up_ms = {1: 0.03, 4: 0.03}
+        for _ in range(IDLE_EVIDENCE):  # enough drafts read to go idle for good, α left at the prior 0.5
+            choice.observe(1, [0])
+        choice.kept, choice.rejected = 1.0, 1.0
         return d
 
     def run(d: HierarchicalDecoder) -> list[list[int]]:
