@@ -212,3 +212,61 @@ def test_ttt_loss_is_the_decayed_soft_cross_entropy_of_each_step_at_each_scored_
         total += decay**k * float(sum(ces)) / len(ces)
         assert out.accuracy[k] == pytest.approx(hits / len(ces)), k
     assert float(out.loss) == pytest.approx(total, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def cached(setup):
+    """One generation of the responses (temperature 1.0), cached in its output_dir as data.pt."""
+    root, verifier, prompts = setup
+    cfg = _config(root, verifier, prompts, "cached")
+    return cfg, trainer.generate_data(cfg, root / "cached", torch.device("cpu"))
+
+
+def _no_generation(*args, **kwargs):
+    raise AssertionError("the responses were generated again")
+
+
+def test_cached_responses_with_the_same_settings_are_reused(setup, cached, monkeypatch):
+    """A rerun differing only in fields that leave the responses as they are reads data.pt, generating nothing."""
+    root, verifier, prompts = setup
+    cfg, data = cached
+    assert data["made_with"]["temperature"] == 1.0 and len(data["sequences"]) == 24
+    monkeypatch.setattr(trainer, "read_prompts", _no_generation)
+    rerun = _config(root, verifier, prompts, "cached", steps=5, lr=1e-3, batch_size=2, generation_batch=4)
+    again = trainer.generate_data(rerun, root / "cached", torch.device("cpu"))
+    assert again["sequences"] == data["sequences"] and torch.equal(again["counts"], data["counts"])
+
+
+def test_cached_responses_made_with_other_settings_are_refused(setup, cached, monkeypatch):
+    root, verifier, prompts = setup
+    monkeypatch.setattr(trainer, "read_prompts", _no_generation)
+    path = root / "cached" / "data.pt"
+    greedy = _config(root, verifier, prompts, "cached", temperature=0.0)
+    with pytest.raises(ConfigError, match=r"temperature=1\.0 \(this run: 0\.0\)") as refused:
+        trainer.generate_data(greedy, root / "cached", torch.device("cpu"))
+    message = str(refused.value)
+    assert "\n" not in message and str(path) in message and "output_dir" in message and "delete it" in message
+    assert "num_prompts" not in message  # only the fields that differ are named
+    fewer = _config(root, verifier, prompts, "cached", temperature=0.0, num_prompts=12)
+    with pytest.raises(ConfigError, match=r"num_prompts=24 \(this run: 12\)") as refused:
+        trainer.generate_data(fewer, root / "cached", torch.device("cpu"))
+    assert "temperature=1.0 (this run: 0.0)" in str(refused.value)
+    assert torch.load(path, weights_only=True)["made_with"]["temperature"] == 1.0  # the cache is left as it was
+
+
+def test_cached_responses_from_an_older_hsmc_are_reused_with_a_warning(setup, cached, monkeypatch, caplog):
+    """A data.pt without the record cannot be checked: it loads (whatever the config says), and the log says so."""
+    root, verifier, prompts = setup
+    _, data = cached
+    old = {key: value for key, value in data.items() if key != "made_with"}
+    (root / "old").mkdir()
+    torch.save(old, root / "old" / "data.pt")
+    monkeypatch.setattr(trainer, "read_prompts", _no_generation)
+    with caplog.at_level("WARNING", logger="hsmc.training.trainer"):
+        loaded = trainer.generate_data(
+            _config(root, verifier, prompts, "old", temperature=0.0), root / "old", torch.device("cpu")
+        )
+    assert loaded["sequences"] == data["sequences"] and "made_with" not in loaded
+    [record] = [r for r in caplog.records if r.name == "hsmc.training.trainer"]
+    assert record.levelname == "WARNING" and "cannot be checked" in record.getMessage()
+    assert str(root / "old" / "data.pt") in record.getMessage()

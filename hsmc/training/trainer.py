@@ -2,7 +2,8 @@
 EAGLE3 head with the training-time-test loss on accelerate, checkpoint and resume, export.
 
 Data: prompts -> the verifier's own responses (hsmc generate, chat template) -> token sequences and
-response masks, cached in `output_dir/data.pt`. Features and target logits come from a second
+response masks, cached in `output_dir/data.pt` with the settings they were made with (a rerun with other
+settings is refused rather than trained on stale responses). Features and target logits come from a second
 verifier pass inside each training step (storing full-vocabulary logits would not fit on disk).
 The batch of step s is a function of (seed, s), so a resumed run continues exactly where it left.
 """
@@ -10,6 +11,7 @@ The batch of step s is a function of (seed, s), so a resumed run continues exact
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import time
@@ -32,6 +34,8 @@ from hsmc.ops.backend import TorchBackend
 from hsmc.prompts import Prompt, read_prompts_file
 from hsmc.training.ttt import TTTBatch, ttt_loss
 from hsmc.training.vocab import build_vocab_mapping
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +64,14 @@ class TrainEagleConfig:
     seed: int = 0
     generation_batch: int = 16
     export_dtype: str = "float32"  # the exported head's weights: float32, bfloat16 (as heads are published), float16
+
+
+# the fields that decide the verifier's responses: data.pt records them, so a rerun that changed one cannot train
+# on the old responses (batch sizes and the training fields leave the responses as they are)
+GENERATION_FIELDS = (
+    "verifier", "dtype", "prompts_file", "dataset", "dataset_files", "dataset_split", "prompt_field", "num_prompts",
+    "max_new_tokens", "temperature", "chat_template", "seed",
+)  # fmt: skip
 
 
 def load_train_config(source: str | Path | dict, overrides: list[str] | tuple[str, ...] = ()) -> TrainEagleConfig:
@@ -91,11 +103,38 @@ def read_prompts(cfg: TrainEagleConfig) -> list[Prompt]:
     return [r[cfg.prompt_field] for r in rows[: cfg.num_prompts]]
 
 
+def _made_with(cfg: TrainEagleConfig) -> dict[str, Any]:
+    """The settings the responses of `cfg` come from, as data.pt records them."""
+    return {field: getattr(cfg, field) for field in GENERATION_FIELDS}
+
+
+def _load_cached_data(path: Path, cfg: TrainEagleConfig) -> dict:
+    """The cached responses at `path`, refused when they were made with other settings than `cfg`'s."""
+    data = torch.load(path, weights_only=True)
+    if "made_with" not in data:  # written before data.pt recorded its settings
+        log.warning(
+            "train-eagle: %s records no settings (an older hsmc made it), so it cannot be checked; reusing it", path
+        )
+        return data
+    differ = [
+        f"{key}={data['made_with'].get(key)!r} (this run: {value!r})"
+        for key, value in _made_with(cfg).items()
+        if data["made_with"].get(key) != value
+    ]
+    if differ:
+        raise ConfigError(
+            f"train-eagle: {path} holds responses made with {', '.join(differ)}; delete it and the checkpoint-* "
+            "folders trained on it, or choose another output_dir"
+        )
+    return data
+
+
 def generate_data(cfg: TrainEagleConfig, out: Path, device: torch.device) -> dict:
-    """The verifier's own responses: token sequences, where each response starts, token counts."""
+    """The verifier's own responses: token sequences, where each response starts, token counts, and the settings
+    they were made with; cached in `out`/data.pt and reused by a rerun with the same settings."""
     path = out / "data.pt"
     if path.is_file():
-        return torch.load(path, weights_only=True)
+        return _load_cached_data(path, cfg)
     from hsmc.decoder import HierarchicalDecoder
 
     prompts = read_prompts(cfg)
@@ -121,7 +160,7 @@ def generate_data(cfg: TrainEagleConfig, out: Path, device: torch.device) -> dic
     counts = torch.zeros(decoder.stack.levels[0].state.runner.module.config.vocab_size, dtype=torch.int64)
     for seq, start in zip(sequences, starts):
         counts += torch.bincount(torch.tensor(seq[start:]), minlength=counts.numel())
-    data = {"sequences": sequences, "starts": starts, "counts": counts}
+    data = {"sequences": sequences, "starts": starts, "counts": counts, "made_with": _made_with(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     torch.save(data, path)
     return data
