@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -270,3 +272,90 @@ def test_cached_responses_from_an_older_hsmc_are_reused_with_a_warning(setup, ca
     [record] = [r for r in caplog.records if r.name == "hsmc.training.trainer"]
     assert record.levelname == "WARNING" and "cannot be checked" in record.getMessage()
     assert str(root / "old" / "data.pt") in record.getMessage()
+
+
+def test_greedy_responses_are_reused_with_another_seed(setup, cached, monkeypatch):
+    """At temperature 0 the responses are the argmax, whatever the seed (a fresh generation with another seed says
+    so): a data.pt made greedily is reused by a greedy run with another seed. Sampled responses depend on it."""
+    root, verifier, prompts = setup
+    cpu = torch.device("cpu")
+    greedy = trainer.generate_data(_config(root, verifier, prompts, "greedy", temperature=0.0), root / "greedy", cpu)
+    reseeded = _config(root, verifier, prompts, "greedy-1", temperature=0.0, seed=1)
+    assert trainer.generate_data(reseeded, root / "greedy-1", cpu)["sequences"] == greedy["sequences"]
+    monkeypatch.setattr(trainer, "read_prompts", _no_generation)
+    again = trainer.generate_data(reseeded, root / "greedy", cpu)
+    assert again["sequences"] == greedy["sequences"] and again["made_with"]["seed"] == 0
+    sampled = _config(root, verifier, prompts, "greedy", seed=1)  # temperature 1.0
+    with pytest.raises(ConfigError, match=r"temperature=0\.0 \(this run: 1\.0\), seed=0 \(this run: 1\)"):
+        trainer.generate_data(sampled, root / "greedy", cpu)
+    with pytest.raises(ConfigError, match=r"made with seed=0 \(this run: 1\);"):  # data.pt of temperature 1.0
+        trainer.generate_data(sampled, root / "cached", cpu)
+
+
+def _trained(root, verifier, prompts, name, **kw):
+    """A finished run in `root/name` on the `cached` fixture's responses (the generation settings are the same)."""
+    (root / name).mkdir()
+    shutil.copy(root / "cached" / "data.pt", root / name / "data.pt")
+    train_eagle(_config(root, verifier, prompts, name, **kw))
+    return root / name
+
+
+def _not_loaded(*args, **kwargs):
+    raise AssertionError("the verifier was loaded")
+
+
+def test_resuming_with_other_training_settings_is_refused(setup, cached, monkeypatch):
+    """A checkpoint records its run's settings; a rerun that changed one of them (lr, steps, the head's shape) is
+    refused before anything is loaded or trained, naming the checkpoint, each differing key and the fix."""
+    root, verifier, prompts = setup
+    out = _trained(root, verifier, prompts, "stale", steps=4, checkpoint_every=2)
+    assert [step for step, _ in trainer.checkpoints(out)] == [2, 4]
+    recorded = json.loads((out / "checkpoint-4" / trainer.RUN_RECORD).read_text())
+    assert recorded["lr"] == 3e-3 and recorded["steps"] == 4 and "checkpoint_every" not in recorded
+    monkeypatch.setattr(trainer, "load_model", _not_loaded)
+    with pytest.raises(ConfigError, match=r"lr=0\.003 \(this run: 0\.001\)") as refused:
+        train_eagle(_config(root, verifier, prompts, "stale", steps=4, checkpoint_every=2, lr=1e-3))
+    message = str(refused.value)
+    assert "\n" not in message and f"{out / 'checkpoint-4'} was trained with" in message
+    assert "delete the checkpoint-* folders" in message and "output_dir" in message
+    assert not re.search(r"\bsteps=", message)  # only the keys that differ are named
+    # more steps is not a resumed run: the cosine schedule of the first 4 steps decayed to 0 at step 4
+    with pytest.raises(ConfigError) as refused:
+        train_eagle(_config(root, verifier, prompts, "stale", steps=8, draft_vocab_size=32))
+    message = str(refused.value)
+    assert "steps=4 (this run: 8)" in message and "draft_vocab_size=64 (this run: 32)" in message
+    assert "lr=" not in message
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]  # nothing trained
+
+
+def test_resuming_with_the_same_training_settings_continues(setup, cached, caplog):
+    """Settings a checkpoint does not record (checkpoint_every, keep_checkpoints, export_dtype, generation_batch)
+    may change: the run resumes from the newest checkpoint, and its checkpoints carry the same record."""
+    root, verifier, prompts = setup
+    out = _trained(root, verifier, prompts, "same", steps=6, checkpoint_every=3)
+    shutil.rmtree(out / "checkpoint-6")  # as if the run had stopped after checkpoint-3
+    again = _config(
+        root, verifier, prompts, "same", steps=6, checkpoint_every=2, keep_checkpoints=3, export_dtype="bfloat16",
+        generation_batch=4,
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="hsmc.training.trainer"):
+        train_eagle(again)
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6, 4, 5, 6]  # steps 4..6 again, from checkpoint-3
+    assert [step for step, _ in trainer.checkpoints(out)] == [3, 4, 6]
+    assert not [r for r in caplog.records if r.name == "hsmc.training.trainer"]
+    first, last = ((out / f"checkpoint-{s}" / trainer.RUN_RECORD).read_text() for s in (3, 6))
+    assert first == last
+
+
+def test_a_checkpoint_from_an_older_hsmc_resumes_with_a_warning(setup, cached, caplog):
+    """A checkpoint without the record cannot be checked: the run resumes from it, and the log says so."""
+    root, verifier, prompts = setup
+    out = _trained(root, verifier, prompts, "older", steps=4, checkpoint_every=2)
+    shutil.rmtree(out / "checkpoint-4")
+    (out / "checkpoint-2" / trainer.RUN_RECORD).unlink()
+    with caplog.at_level("WARNING", logger="hsmc.training.trainer"):
+        train_eagle(_config(root, verifier, prompts, "older", steps=4, checkpoint_every=2))
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 3, 4]
+    [record] = [r for r in caplog.records if r.name == "hsmc.training.trainer"]
+    assert record.levelname == "WARNING" and "cannot be checked" in record.getMessage()
+    assert str(out / "checkpoint-2") in record.getMessage()

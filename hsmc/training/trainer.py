@@ -5,7 +5,10 @@ Data: prompts -> the verifier's own responses (hsmc generate, chat template) -> 
 response masks, cached in `output_dir/data.pt` with the settings they were made with (a rerun with other
 settings is refused rather than trained on stale responses). Features and target logits come from a second
 verifier pass inside each training step (storing full-vocabulary logits would not fit on disk).
-The batch of step s is a function of (seed, s), so a resumed run continues exactly where it left.
+The batch of step s is a function of (seed, s), so a resumed run continues exactly where it left: each
+checkpoint records the settings of its run (TRAINING_FIELDS), and a rerun with others is refused rather than
+mixing two runs' optimizer, schedule or batches. That includes `steps`: the cosine schedule spans it, so a
+longer run is a fresh one (delete the checkpoints; data.pt is reused), not a resumed one.
 """
 
 from __future__ import annotations
@@ -73,6 +76,14 @@ GENERATION_FIELDS = (
     "max_new_tokens", "temperature", "chat_template", "seed",
 )  # fmt: skip
 
+# the fields a resumed run must share with its checkpoint: the responses its batches come from, the head's shape,
+# the optimizer, the schedule (`steps` included: the cosine decay spans it) and the batches of each step; each
+# checkpoint records them in RUN_RECORD (not checkpoint_every, keep_checkpoints, generation_batch, export_dtype)
+TRAINING_FIELDS = (
+    *GENERATION_FIELDS, "draft_vocab_size", "steps", "batch_size", "lr", "warmup_steps", "ttt_steps", "grad_clip",
+)  # fmt: skip
+RUN_RECORD = "hsmc_run.json"
+
 
 def load_train_config(source: str | Path | dict, overrides: list[str] | tuple[str, ...] = ()) -> TrainEagleConfig:
     """The validated config; a missing prompts file fails here, before anything is loaded."""
@@ -108,24 +119,32 @@ def _made_with(cfg: TrainEagleConfig) -> dict[str, Any]:
     return {field: getattr(cfg, field) for field in GENERATION_FIELDS}
 
 
+def _check_record(path: Path, recorded: dict | None, current: dict[str, Any], made: str, fix: str) -> None:
+    """Refuse `path`, made with the settings `recorded`, when one of `current` differs: a one-line ConfigError
+    naming each differing key with both values, then `fix`. A file without a record (written by an older hsmc)
+    cannot be checked: it is used, with a warning."""
+    if recorded is None:
+        log.warning(
+            "train-eagle: %s records no settings (an older hsmc made it), so it cannot be checked; using it", path
+        )
+        return
+    differ = [
+        f"{key}={recorded.get(key)!r} (this run: {value!r})"
+        for key, value in current.items()
+        if recorded.get(key) != value
+    ]
+    if differ:
+        raise ConfigError(f"train-eagle: {path} {made} {', '.join(differ)}; {fix}")
+
+
 def _load_cached_data(path: Path, cfg: TrainEagleConfig) -> dict:
     """The cached responses at `path`, refused when they were made with other settings than `cfg`'s."""
     data = torch.load(path, weights_only=True)
-    if "made_with" not in data:  # written before data.pt recorded its settings
-        log.warning(
-            "train-eagle: %s records no settings (an older hsmc made it), so it cannot be checked; reusing it", path
-        )
-        return data
-    differ = [
-        f"{key}={data['made_with'].get(key)!r} (this run: {value!r})"
-        for key, value in _made_with(cfg).items()
-        if data["made_with"].get(key) != value
-    ]
-    if differ:
-        raise ConfigError(
-            f"train-eagle: {path} holds responses made with {', '.join(differ)}; delete it and the checkpoint-* "
-            "folders trained on it, or choose another output_dir"
-        )
+    current = _made_with(cfg)
+    if data.get("made_with", {}).get("temperature") == 0 and cfg.temperature == 0:
+        del current["seed"]  # greedy responses are the argmax: the seed draws nothing in them
+    fix = "delete it and the checkpoint-* folders trained on it, or choose another output_dir"
+    _check_record(path, data.get("made_with"), current, "holds responses made with", fix)
     return data
 
 
@@ -220,12 +239,27 @@ def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(accelerator: Any, out: Path, step: int, keep: int) -> Path:
-    """Save the training state as `checkpoint-<step>` and delete all but the newest `keep`."""
+def _run_settings(cfg: TrainEagleConfig) -> dict[str, Any]:
+    """The settings a run resumed from a checkpoint of `cfg` must share, as the checkpoint records them."""
+    return {field: getattr(cfg, field) for field in TRAINING_FIELDS}
+
+
+def check_checkpoint(path: Path, cfg: TrainEagleConfig) -> None:
+    """Refuse to resume from the checkpoint `path` when it was trained with other settings than `cfg`'s."""
+    record = path / RUN_RECORD
+    recorded = json.loads(record.read_text()) if record.is_file() else None
+    fix = "delete the checkpoint-* folders (data.pt is kept and reused) or choose another output_dir"
+    _check_record(path, recorded, _run_settings(cfg), "was trained with", fix)
+
+
+def save_checkpoint(accelerator: Any, out: Path, step: int, cfg: TrainEagleConfig) -> Path:
+    """Save the training state and the settings of `cfg` it comes from as `checkpoint-<step>`, and delete all but
+    the newest `cfg.keep_checkpoints`."""
     path = out / f"checkpoint-{step}"
     accelerator.save_state(str(path), safe_serialization=False)  # the head's fused weights are views of one storage
     if accelerator.is_main_process:
-        for _, old in checkpoints(out)[:-keep]:
+        (path / RUN_RECORD).write_text(json.dumps(_run_settings(cfg), indent=1) + "\n")
+        for _, old in checkpoints(out)[: -cfg.keep_checkpoints]:
             shutil.rmtree(old)
     return path
 
@@ -245,6 +279,8 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
     accelerator = Accelerator()
     with accelerator.main_process_first():  # one process generates and caches; the others read the cache
         data = generate_data(cfg, out, accelerator.device)
+    if resume := latest_checkpoint(out):  # refused before anything is loaded or trained
+        check_checkpoint(resume[1], cfg)
     verifier = load_model(cfg.verifier, cfg.dtype, accelerator.device)
     d2t, t2d = build_vocab_mapping(data["counts"], cfg.draft_vocab_size)
     head_cfg = new_head_config(verifier_cfg, cfg.draft_vocab_size)
@@ -254,7 +290,7 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
     objective, optimizer, scheduler = accelerator.prepare(TTTObjective(head, cfg.ttt_steps), optimizer, scheduler)
     step = 0
-    if resume := latest_checkpoint(out):
+    if resume:
         step, path = resume
         accelerator.load_state(str(path))
         accelerator.print(f"hsmc: resuming from {path} (step {step})")
@@ -284,9 +320,9 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
             if accelerator.is_main_process:
                 log.write(json.dumps({"step": step, "loss": loss.item(), "top1": accuracy}) + "\n")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save_checkpoint(accelerator, out, step, cfg.keep_checkpoints)
+                save_checkpoint(accelerator, out, step, cfg)
     except KeyboardInterrupt:
-        path = save_checkpoint(accelerator, out, step, cfg.keep_checkpoints)
+        path = save_checkpoint(accelerator, out, step, cfg)
         raise KeyboardInterrupt(f"saved {path}; rerun the same command to resume") from None
     finally:
         bar.close()
