@@ -340,11 +340,15 @@ def test_resuming_with_the_same_training_settings_continues(setup, cached, caplo
     )  # fmt: skip
     with caplog.at_level("WARNING", logger="hsmc.training.trainer"):
         train_eagle(again)
-    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6, 4, 5, 6]  # steps 4..6 again, from checkpoint-3
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6]  # 4..6 trained again from checkpoint-3, logged once
     assert [step for step, _ in trainer.checkpoints(out)] == [3, 4, 6]
     assert not [r for r in caplog.records if r.name == "hsmc.training.trainer"]
     first, last = ((out / f"checkpoint-{s}" / trainer.RUN_RECORD).read_text() for s in (3, 6))
     assert first == last
+    for _, folder in trainer.checkpoints(out):  # starting over: a fresh run, and a fresh log
+        shutil.rmtree(folder)
+    train_eagle(again)
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_checkpoint_from_an_older_hsmc_resumes_with_a_warning(setup, cached, caplog):
@@ -355,7 +359,7 @@ def test_a_checkpoint_from_an_older_hsmc_resumes_with_a_warning(setup, cached, c
     (out / "checkpoint-2" / trainer.RUN_RECORD).unlink()
     with caplog.at_level("WARNING", logger="hsmc.training.trainer"):
         train_eagle(_config(root, verifier, prompts, "older", steps=4, checkpoint_every=2))
-    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 3, 4]
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]  # resumed at checkpoint-2: 3 and 4 logged once
     [record] = [r for r in caplog.records if r.name == "hsmc.training.trainer"]
     assert record.levelname == "WARNING" and "cannot be checked" in record.getMessage()
     assert str(out / "checkpoint-2") in record.getMessage()

@@ -20,7 +20,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
@@ -239,6 +239,15 @@ def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def _log_from(path: Path, step: int) -> TextIO:
+    """`path` (one JSON line per step) open for appending, cut to the steps up to `step`, the one resumed from (0: a
+    fresh run): the steps a run logged after its newest checkpoint are trained again, and each logs once."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    path.write_text("".join(f"{line}\n" for line in kept))
+    return path.open("a")
+
+
 def _run_settings(cfg: TrainEagleConfig) -> dict[str, Any]:
     """The settings a run resumed from a checkpoint of `cfg` must share, as the checkpoint records them."""
     return {field: getattr(cfg, field) for field in TRAINING_FIELDS}
@@ -296,7 +305,7 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
         accelerator.print(f"hsmc: resuming from {path} (step {step})")
     n = len(data["sequences"])
     tokens_seen, began, accuracy = 0, time.perf_counter(), []
-    log = (out / "log.jsonl").open("a")
+    log = _log_from(out / "log.jsonl", step) if accelerator.is_main_process else None
     bar = tqdm(total=cfg.steps, initial=step, desc="train-eagle", disable=not accelerator.is_main_process)
     try:
         while step < cfg.steps:
@@ -317,7 +326,7 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
             bar.update()
             accuracy = top1.tolist()
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{accuracy[0]:.2f}/{accuracy[-1]:.2f}")
-            if accelerator.is_main_process:
+            if log is not None:
                 log.write(json.dumps({"step": step, "loss": loss.item(), "top1": accuracy}) + "\n")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save_checkpoint(accelerator, out, step, cfg)
@@ -326,7 +335,8 @@ def train_eagle(cfg: TrainEagleConfig) -> Path:
         raise KeyboardInterrupt(f"saved {path}; rerun the same command to resume") from None
     finally:
         bar.close()
-        log.close()
+        if log is not None:
+            log.close()
     head = accelerator.unwrap_model(objective).head
     export = save_eagle3_head(head, head_cfg, out / "head", DTYPES[cfg.export_dtype])
     # a greedy chain keeps draft k while steps 0..k all agree: 1 + sum_k prod_{j<=k} top1_j tokens per verify
