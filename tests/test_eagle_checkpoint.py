@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +164,17 @@ def test_head_forward_matches_a_plain_reading_of_the_spec(tmp_path):
     h = h + y
     assert (out[0] - h).abs().max() < 1e-4  # the pre-norm output fed to the next draft step
     assert (logits[0] - rms(h, w["norm.weight"]) @ w["lm_head.weight"].T).abs().max() < 1e-4
+
+
+SHIPPED_HEADS = sorted((Path(__file__).resolve().parents[1] / "assets").glob("eagle3-*"))
+
+
+@pytest.mark.parametrize("folder", SHIPPED_HEADS, ids=lambda f: f.name)
+def test_shipped_heads_are_smollm2s_shape_with_a_consistent_vocabulary_map(folder):
+    """Each head in assets/ (the greedy-trained one and the T = 1 one) drafts for SmolLM2-135M-Instruct: its sizes,
+    finite weights, and a draft vocabulary that maps back to 4096 distinct verifier tokens, each marked in `t2d`."""
+    head, config = load_eagle3_head(str(folder))
+    assert (config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]) == (576, 49152, 4096)
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+    tokens = torch.arange(4096) + head.d2t
+    assert tokens.unique().numel() == 4096 and bool(head.t2d[tokens].all()) and int(head.t2d.sum()) == 4096
