@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GSM8K_TEST = ROOT / "evals" / "data" / "gsm8k_test.jsonl"
 HEAD = ROOT / "assets" / "eagle3-smollm2-135m-instruct"
 # budget -> (depth, topk): the best draft_aware shape of a 12-question sweep at T = 1 with the shipped head
-# (docs/measurements/2026-11-28-cpu-tree-shape-sweep.txt); the head's top-1 stays ~0.75 to depth 7, so deep trees pay
-SHAPES = {8: (5, 3), 16: (8, 3), 32: (12, 3)}
+# (docs/measurements/2026-11-28-cpu-tree-shape-sweep.txt); at 32, 6 x 6 over that sweep's 12 x 3: on 50 questions it
+# accepted more with both shipped heads, at T = 1 and at T = 0 (2026-11-29-cpu-tree-acceptance-t1-full-head.txt)
+SHAPES = {8: (5, 3), 16: (8, 3), 32: (6, 6)}
 
 
 def drafting(
