@@ -114,9 +114,9 @@ def read_prompts(cfg: TrainEagleConfig) -> list[Prompt]:
     return [r[cfg.prompt_field] for r in rows[: cfg.num_prompts]]
 
 
-def _made_with(cfg: TrainEagleConfig) -> dict[str, Any]:
-    """The settings the responses of `cfg` come from, as data.pt records them."""
-    return {field: getattr(cfg, field) for field in GENERATION_FIELDS}
+def _settings(cfg: TrainEagleConfig, fields: tuple[str, ...]) -> dict[str, Any]:
+    """`cfg`'s values of `fields`, as data.pt (GENERATION_FIELDS) and each checkpoint (TRAINING_FIELDS) record them."""
+    return {field: getattr(cfg, field) for field in fields}
 
 
 def _check_record(path: Path, recorded: dict | None, current: dict[str, Any], made: str, fix: str) -> None:
@@ -140,7 +140,7 @@ def _check_record(path: Path, recorded: dict | None, current: dict[str, Any], ma
 def _load_cached_data(path: Path, cfg: TrainEagleConfig) -> dict:
     """The cached responses at `path`, refused when they were made with other settings than `cfg`'s."""
     data = torch.load(path, weights_only=True)
-    current = _made_with(cfg)
+    current = _settings(cfg, GENERATION_FIELDS)
     if data.get("made_with", {}).get("temperature") == 0 and cfg.temperature == 0:
         del current["seed"]  # greedy responses are the argmax: the seed draws nothing in them
     fix = "delete it and the checkpoint-* folders trained on it, or choose another output_dir"
@@ -179,7 +179,7 @@ def generate_data(cfg: TrainEagleConfig, out: Path, device: torch.device) -> dic
     counts = torch.zeros(decoder.stack.levels[0].state.runner.module.config.vocab_size, dtype=torch.int64)
     for seq, start in zip(sequences, starts):
         counts += torch.bincount(torch.tensor(seq[start:]), minlength=counts.numel())
-    data = {"sequences": sequences, "starts": starts, "counts": counts, "made_with": _made_with(cfg)}
+    data = {"sequences": sequences, "starts": starts, "counts": counts, "made_with": _settings(cfg, GENERATION_FIELDS)}
     out.mkdir(parents=True, exist_ok=True)
     torch.save(data, path)
     return data
@@ -248,17 +248,12 @@ def _log_from(path: Path, step: int) -> TextIO:
     return path.open("a")
 
 
-def _run_settings(cfg: TrainEagleConfig) -> dict[str, Any]:
-    """The settings a run resumed from a checkpoint of `cfg` must share, as the checkpoint records them."""
-    return {field: getattr(cfg, field) for field in TRAINING_FIELDS}
-
-
 def check_checkpoint(path: Path, cfg: TrainEagleConfig) -> None:
     """Refuse to resume from the checkpoint `path` when it was trained with other settings than `cfg`'s."""
     record = path / RUN_RECORD
     recorded = json.loads(record.read_text()) if record.is_file() else None
     fix = "delete the checkpoint-* folders (data.pt is kept and reused) or choose another output_dir"
-    _check_record(path, recorded, _run_settings(cfg), "was trained with", fix)
+    _check_record(path, recorded, _settings(cfg, TRAINING_FIELDS), "was trained with", fix)
 
 
 def save_checkpoint(accelerator: Any, out: Path, step: int, cfg: TrainEagleConfig) -> Path:
@@ -267,7 +262,7 @@ def save_checkpoint(accelerator: Any, out: Path, step: int, cfg: TrainEagleConfi
     path = out / f"checkpoint-{step}"
     accelerator.save_state(str(path), safe_serialization=False)  # the head's fused weights are views of one storage
     if accelerator.is_main_process:
-        (path / RUN_RECORD).write_text(json.dumps(_run_settings(cfg), indent=1) + "\n")
+        (path / RUN_RECORD).write_text(json.dumps(_settings(cfg, TRAINING_FIELDS), indent=1) + "\n")
         for _, old in checkpoints(out)[: -cfg.keep_checkpoints]:
             shutil.rmtree(old)
     return path
