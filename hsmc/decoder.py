@@ -104,10 +104,13 @@ class HierarchicalDecoder:
 
     def _time_rounds(self, level: RejectionLevel) -> None:
         """`num_draft_tokens: auto` / `tree: auto`: each arm's round time on this machine (a chain's γ, a tree), from a
-        synthetic request decoded with it (the fastest run of one token, the prefill's, subtracted: one stalled short
-        run cannot make it negative), the fastest of TIMING_REPEATS timings after one untimed run (the first calls of a
-        process are slower). Every arm is timed over about TIMING_ROUNDS rounds, however many tokens its rounds keep
-        (given the tokens of 4 rounds that keep all their drafts, γ = 0 got 3 rounds, too few for the host's noise:
+        synthetic request decoded with it: the time between its first and last read of a round's tokens over the rounds
+        between, the fastest of TIMING_REPEATS timings after one untimed run (the first calls of a process are slower).
+        Only the steady rounds count: a difference of whole runs (with and without rounds) carried their admission's and
+        prefill's noise (at 32 rows of a tiny pair on an H200, rounds that the host's per-request work bounds alike for
+        every γ timed 0.57-1.35 ms that way, 1.04-1.32 ms from steady reads). Every arm is timed over about
+        TIMING_ROUNDS rounds, however many tokens its rounds keep (given the tokens of 4 rounds that keep all their
+        drafts, γ = 0 got 3 rounds, too few for the host's noise:
         docs/measurements/2026-11-29-h200-auto-timing-rounds.txt). With CUDA graphs each shape is captured at its first
         run and a timing during which any graph was captured is taken again: a capture costs more than many rounds (on
         an H100 such timings came out negative). Timed at 1, 4, 16, ... requests and at as many as the rows (and the KV
@@ -131,29 +134,24 @@ class HierarchicalDecoder:
             self.generate([prompt], max_new_tokens=most_tokens, ignore_eos=True)
             times: dict[int, list[float]] = {}
             for n, arm in ((n, arm) for n in sizes for arm in range(choice.arms)):
-                choice.forced, ones, longs, ms = arm, [], [], 0.0
+                choice.forced, runs, ms = arm, [], 0.0
                 tokens = min(most_tokens, TIMING_ROUNDS + 1)  # a round keeps at least one token
                 for _ in range(TIMING_REPEATS + TIMING_RETRIES):
-                    graphs, spans = scope.graphs_captured(), []
-                    for run in (1, tokens):
-                        began = time.perf_counter()
-                        self.generate([prompt] * n, max_new_tokens=run, ignore_eos=True)
-                        spans.append((time.perf_counter() - began, level.steps))
-                    (one, steps_before), (long, steps_after) = spans
-                    rounds = max(steps_after - steps_before, 1)
-                    if scope.graphs_captured() == graphs:
-                        ones.append(one)
-                        longs.append((long, rounds))
+                    graphs, reads = scope.graphs_captured(), []
+                    note = _reads_of_first(reads)
+                    self.generate([prompt] * n, max_new_tokens=tokens, ignore_eos=True, on_progress=note)
+                    rounds = len(reads) - 1  # between the first read and the last (a request is read once a round)
+                    if rounds > 0 and scope.graphs_captured() == graphs:
+                        runs.append((reads[-1] - reads[0]) / rounds)
                     # as many tokens as TIMING_ROUNDS rounds keep at the rate seen
-                    tokens = min(most_tokens, 1 + math.ceil(TIMING_ROUNDS * (tokens - 1) / rounds))
-                    # each run's fastest: a stall in one short run must not make the difference negative
-                    ms = 1000 * min((t - min(ones)) / extra for t, extra in longs) if longs else 0.0
-                    if len(longs) >= TIMING_REPEATS and ms > 0:
+                    tokens = min(most_tokens, 1 + math.ceil(TIMING_ROUNDS * (tokens - 1) / max(len(reads), 1)))
+                    ms = 1000 * min(runs) if runs else 0.0
+                    if len(runs) >= TIMING_REPEATS:
                         break
                 if ms <= 0:
                     raise RuntimeError(
-                        f"draft shape auto: no clean timing of {choice.shape(arm)} (each captured a CUDA graph or the"
-                        " machine stalled)"
+                        f"draft shape auto: no clean timing of {choice.shape(arm)} (each captured a CUDA graph or its"
+                        " request ended before a second round)"
                     )
                 times.setdefault(n, []).append(ms)
                 bar.update()
@@ -458,6 +456,17 @@ def follow_configs(ranks: Ranks) -> None:
         decoder.follow()
         del decoder
         gc.collect()  # the stack's cycles (runners, graphs) go before the next config's loads
+
+
+def _reads_of_first(reads: list[float]) -> Callable[[Increment], None]:
+    """An `on_progress` that notes when each round's tokens of the first request were read, up to its last: the
+    span between two reads is rounds at the steady rate, without the admission, prefill and drain around them."""
+
+    def note(increment: Increment) -> None:
+        if increment.index == 0 and increment.result is None:
+            reads.append(time.perf_counter())
+
+    return note
 
 
 def _next(out: queue.SimpleQueue[Increment]) -> Increment:

@@ -359,16 +359,16 @@ def _with_evidence(choice: DraftLength) -> None:
     choice.kept, choice.rejected = kept, rejected
 
 
-def _read_rounds(choice: DraftLength, rate: float, rounds: int, seed: int = 0) -> list[int]:
-    """`rounds` rounds of one row chosen by `choice`, each draft kept with probability `rate` until one is not;
-    the arms taken."""
+def _read_rounds(choice: DraftLength, rate: float, rounds: int, seed: int = 0, later: float | None = None) -> list[int]:
+    """`rounds` rounds of one row chosen by `choice`, the first draft kept with probability `rate` and each one after
+    a kept draft with `later` (default: `rate`), until one is not; the arms taken."""
     rng, taken = random.Random(seed), []
     for _ in range(rounds):
         arm = choice.choose(1)
         taken.append(arm)
         if arm:
             kept = 0
-            while kept < arm and rng.random() < rate:
+            while kept < arm and rng.random() < (rate if kept == 0 or later is None else later):
                 kept += 1
             choice.observe(arm, [kept])
     return taken
@@ -393,6 +393,43 @@ def test_the_choice_goes_idle_for_good_only_after_enough_drafts_were_read():
     first = taken.index(1)  # after the prior's first rounds (of γ = 3), each of which read one draft
     assert taken[first:IDLE_EVIDENCE] == [1] * (IDLE_EVIDENCE - first) and min(taken[:first]) > 1
     assert set(taken[IDLE_EVIDENCE:]) == {0} and useless.idle and useless.read == IDLE_EVIDENCE
+
+
+def test_alphas_upper_bound_holds_the_kept_share_and_narrows_with_the_drafts_read():
+    """`rate_bound` (Wilson's one-sided 95 % bound on every draft read since the timing, undiscounted): 1 before any
+    read, above the share kept, closing on it as drafts are read; the decayed estimate does not move it back."""
+    choice = DraftLength(8)
+    assert choice.rate_bound == 1.0
+    bounds = []
+    for rounds in (8, 32, 128, 512):
+        choice.forget()
+        for i in range(rounds):
+            choice.observe(3, [3 if i % 2 else 0])  # 3 kept, then 1 rejected: 3/4 of the drafts read kept
+        assert (choice.read, choice.seen_kept) == (2 * rounds, 3 * rounds // 2)
+        bounds.append(choice.rate_bound)
+    assert all(0.75 < b < 1 for b in bounds) and bounds == sorted(bounds, reverse=True) and bounds[-1] < 0.78
+    choice.kept, choice.rejected = 0.0, 50.0  # the decayed estimate's counts
+    assert choice.rate_bound == bounds[-1]
+
+
+def test_the_evidence_for_idling_is_read_from_the_chain_that_would_pay():
+    """Round times of an H200 with SmolLM2 and its EAGLE3 head in bf16 at T = 0 (catch-up 0.02 ms: no probe pays). A
+    head keeping its first draft 55 % of the time and a draft after a kept one 80 % yields 2.37 tokens a round of
+    γ = 3, 1.10x the target alone. Rounds of γ = 1 read only first drafts, α = 0.55, where no chain is predicted to
+    pay, so evidence read from them takes the choice idle; rounds of the chain predicted fastest read the later
+    drafts too, and the choice keeps drafting. (On the H200 the head read α = 0.59-0.63 from rounds of γ = 1 and went
+    idle at 0.89-0.91x the target alone, while γ = 3 kept 2.49 tokens a round at 1.00-1.04x.)"""
+    times, catch_up = {1: [0.64, 1.19, 1.29, 1.38, 1.48, 1.52, 1.62, 1.71, 1.82]}, {1: 0.02}
+    first_drafts = DraftLength(8)
+    first_drafts.round_ms, first_drafts.catch_up_ms = times, catch_up
+    for i in range(IDLE_EVIDENCE * 5):
+        first_drafts.observe(1, [int(i % 20 < 11)])  # 11 of every 20 kept
+    assert first_drafts.never_drafts  # what rounds of γ = 1 alone decide
+    for seed in range(20):
+        choice = DraftLength(8)
+        choice.round_ms, choice.catch_up_ms = times, catch_up
+        taken = _read_rounds(choice, 0.55, 300, seed, later=0.8)
+        assert not choice.idle and min(taken[-100:]) >= 2, (seed, taken)
 
 
 def test_where_no_batch_size_drafts_or_probes_the_choice_goes_idle_until_the_times_change():

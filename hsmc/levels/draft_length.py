@@ -16,12 +16,19 @@ catch-up (`catch_up_ms`, also measured at start): the tokens of the rounds they 
 a cost per token however rare the probes. Where that cost alone exceeds PROBE_SHARE of a round, no probe interval
 pays and γ = 0 stays until the next timing. Where that holds at every batch size timed (`never_drafts`), no round
 drafts again and none is read, so nothing could change the plans but a drafting round launched before and read
-after. That decision is for good, so it waits for IDLE_EVIDENCE drafts read since the timing (until then such rounds
-draft γ = 1): taken at the first read, one rejected draft after the prior decided it for half the runs of a pair
-keeping 65 % of its drafts, whose drafting paid (docs/measurements/2026-11-29-cpu-auto-idle-trap.txt). Then the
-choice goes `idle` (γ = 0 until the times change, whatever is read), and the rejection level leaves its
-drafters out of the rounds (no tokens or features handed to them, no backlog, so no drafting round forced by an
-EAGLE3 head's window every 55 rounds: docs/measurements/2026-11-29-h200-idle-drafter.txt).
+after. That decision is for good, so it is taken on all the drafts read since the timing, not on the estimate that
+follows the last ~33 row-rounds: only where even α's upper confidence bound (`rate_bound`) leaves every batch size's
+plan at γ = 0 without probes, and after IDLE_EVIDENCE drafts read. Until then such rounds draft the chain predicted
+fastest, not γ = 1: drafts are not i.i.d., a head keeps a draft after a kept one more often than the first, so
+rounds of γ = 1 under-read the chain that would pay. Taken on the estimate, one rejected draft after the prior
+decided it for half the runs of a pair keeping 65 % of its drafts, whose drafting paid
+(docs/measurements/2026-11-29-cpu-auto-idle-trap.txt); read from rounds of γ = 1, SmolLM2's EAGLE3 head
+(bf16, T = 0, an H200) showed α = 0.59-0.63 and went idle at 0.89-0.91x the target alone, while γ = 3 kept 2.49
+tokens a round (α = 0.69 read as i.i.d.) at 1.00-1.04x
+(docs/measurements/2026-11-29-h200-steady-timing-and-evidence.txt). Then the choice goes `idle` (γ = 0 until the
+times change, whatever is read), and the rejection level leaves its drafters out of the rounds (no tokens or features
+handed to them, no backlog, so no drafting round forced by an EAGLE3 head's window every 55 rounds:
+docs/measurements/2026-11-29-h200-idle-drafter.txt).
 The choice only ever depends on rounds already read, never on the round it is for, so every round is an ordinary
 speculative-sampling round and the output stays an exact sample of the verifier's law.
 """
@@ -40,8 +47,8 @@ DRAFT_MARGIN = 0.05  # drafting replaces the target alone only where predicted t
 # timing's error (γ = 1 timed at 1.24x a step cost 1.29-1.59x on a 2-core CPU), and the tolerance a GPU allows
 PROBE_SHARE = 0.02  # most share of the time that rounds drafting against the choice (to observe acceptance) take
 PRIOR = (1.0, 1.0)  # pseudo-counts (kept, rejected) before any round is read: α = 0.5
-IDLE_EVIDENCE = 32  # drafts read before the choice may go idle; a drafter that never pays costs this many γ = 1
-# rounds once per timing (~12 ms for SmolLM2's EAGLE3 head on an H200)
+IDLE_EVIDENCE = 32  # drafts read before the choice may go idle (the confidence bound below is an approximation)
+IDLE_CONFIDENCE_Z = 1.645  # idle only where even α's one-sided 95 % upper bound (Wilson's) leaves every draft unpaid
 TREE_PRIOR_TOKENS = 4.0  # a tree's yield over its prediction starts at 1 as if from rounds of this many tokens
 
 
@@ -58,7 +65,8 @@ def tree_tokens(rate: float, tree: TreeShape) -> float:
 class DraftLength:
     def __init__(self, most: int, trees: Sequence[TreeShape] = ()) -> None:
         self.most, self.trees = most, tuple(trees)
-        self._plans: dict[int, tuple[int, int | None]] = {}  # per batch size: `_plan`'s, until it changes
+        # per (batch size, at α's upper bound): `_plan`'s, until it changes
+        self._plans: dict[tuple[int, bool], tuple[int, int | None, int]] = {}
         self._round_ms: dict[int, list[float]] | None = None
         self._catch_up_ms: dict[int, float] = {}
         self.forced: int | None = None  # the arm every round takes while the rounds are timed
@@ -98,13 +106,25 @@ class DraftLength:
         """The estimated probability that a chain's draft is kept."""
         return self.kept / (self.kept + self.rejected)
 
-    def expected(self, arm: int) -> float:
-        """Tokens a round of `arm` is expected to yield per row."""
+    @property
+    def rate_bound(self) -> float:
+        """Wilson's upper confidence bound on α from every chain draft read since the timing (undiscounted): what
+        going idle for good must rule out, where the estimate (`rate`) follows only the last ~33 row-rounds."""
+        kept, n, z = self.seen_kept, self.read, IDLE_CONFIDENCE_Z
+        if n == 0:
+            return 1.0
+        share = kept / n
+        margin = z * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n))
+        return (share + z * z / (2 * n) + margin) / (1 + z * z / n)
+
+    def expected(self, arm: int, rate: float | None = None) -> float:
+        """Tokens a round of `arm` is expected to yield per row (at `rate`, default the estimate)."""
+        rate = self.rate if rate is None else rate
         depth, tree = self.shape(arm)
         if tree is None:
-            return expected_tokens(self.rate, depth)
+            return expected_tokens(rate, depth)
         got, predicted = self.tree_rounds[arm - self.most - 1]
-        return tree_tokens(self.rate, tree) * (got + TREE_PRIOR_TOKENS) / (predicted + TREE_PRIOR_TOKENS)
+        return tree_tokens(rate, tree) * (got + TREE_PRIOR_TOKENS) / (predicted + TREE_PRIOR_TOKENS)
 
     def ms(self, arm: int, rows: int) -> float:
         """An arm's round time at `rows` rows: linear between the nearest batch sizes timed (the nearest one's
@@ -125,11 +145,11 @@ class DraftLength:
         if self.idle or self.never_drafts:
             self.idle = True  # the drafters no longer follow the rows: none of them may draft again
             return 0
-        best, every = self._plan_at(rows)
+        best, every, fastest_chain = self._plan_at(rows)
         if best:
             return best
-        if every is None:
-            return 1 if self.read < IDLE_EVIDENCE else 0  # γ = 0 for good only on evidence (`never_drafts`)
+        if every is None:  # no probe pays: draft while the evidence leaves room for drafting to pay (`never_drafts`)
+            return fastest_chain if self.read < IDLE_EVIDENCE or self._plan_at(rows, optimistic=True)[0] else 0
         self.waited += 1
         if self.waited < every:
             return 0
@@ -138,27 +158,29 @@ class DraftLength:
 
     @property
     def never_drafts(self) -> bool:
-        """Whether the plan of every batch size timed is γ = 0 without probes (then so is that of every size between:
-        the round and catch-up times are linear there), with IDLE_EVIDENCE drafts read. Not while an arm is forced (a
-        timing, a warmup)."""
+        """Whether the plan of every batch size timed is γ = 0 without probes even at α's upper bound (`rate_bound`;
+        then so is that of every size between: the round and catch-up times are linear there), with IDLE_EVIDENCE
+        drafts read. Not while an arm is forced (a timing, a warmup)."""
         if self.forced is not None or self.round_ms is None or self.read < IDLE_EVIDENCE:
             return False
-        return all(self._plan_at(rows) == (0, None) for rows in self.round_ms)
+        return all(self._plan_at(rows, optimistic=True)[:2] == (0, None) for rows in self.round_ms)
 
-    def _plan_at(self, rows: int) -> tuple[int, int | None]:
-        if rows not in self._plans:
-            self._plans[rows] = self._plan(rows)
-        return self._plans[rows]
+    def _plan_at(self, rows: int, optimistic: bool = False) -> tuple[int, int | None, int]:
+        if (rows, optimistic) not in self._plans:
+            self._plans[rows, optimistic] = self._plan(rows, self.rate_bound if optimistic else self.rate)
+        return self._plans[rows, optimistic]
 
-    def _plan(self, rows: int) -> tuple[int, int | None]:
-        """The arm that wins at `rows` rows (0: the target alone) and, for 0, the probe interval. It changes only
-        when a drafting round is read or the times are, so it is kept until then: computing it took 40 µs of
-        Python (2-core CPU) on every round, against a 0.8 ms GPU round of the SmolLM2 pair."""
-        speed = [self.expected(arm) / self.ms(arm, rows) for arm in range(self.arms)]
+    def _plan(self, rows: int, rate: float) -> tuple[int, int | None, int]:
+        """The arm that wins at `rows` rows if drafts are kept at `rate` (0: the target alone), for 0 the probe
+        interval, and the chain (γ >= 1) predicted fastest. It changes only when a drafting round is read or the
+        times are, so it is kept until then: computing it took 40 µs of Python (2-core CPU) on every round, against
+        a 0.8 ms GPU round of the SmolLM2 pair."""
+        speed = [self.expected(arm, rate) / self.ms(arm, rows) for arm in range(self.arms)]
         best = max(range(self.arms), key=speed.__getitem__)
+        fastest_chain = max(range(1, self.most + 1), key=speed.__getitem__)
         if best and speed[best] >= (1 + DRAFT_MARGIN) * speed[0]:
-            return best, None
-        return 0, self.probe_every(rows)
+            return best, None, fastest_chain
+        return 0, self.probe_every(rows), fastest_chain
 
     def probe_every(self, rows: int) -> int | None:
         """Rounds of the target alone per probe, so that a probe's extra time, with the drafters' catch-up on those
@@ -186,6 +208,7 @@ class DraftLength:
             self.kept = self.kept * decay + sum(accepted)
             self.rejected = self.rejected * decay + sum(a < depth for a in accepted)
             self.read += sum(min(a + 1, depth) for a in accepted)
+            self.seen_kept += sum(accepted)
 
     def forget(self) -> None:
         """Back to the prior (after the timing's synthetic requests)."""
@@ -193,7 +216,7 @@ class DraftLength:
         self._plans = {}
         self.tree_rounds = [(0.0, 0.0) for _ in self.trees]  # per tree: tokens yielded, tokens predicted (discounted)
         self.waited = 0  # rounds at γ = 0 since the last drafting one
-        self.read = 0  # drafts of chains read (kept, or the one rejected), undiscounted
+        self.read = self.seen_kept = 0  # drafts of chains read (kept, or the one rejected) and those kept, undiscounted
         self.idle = False  # chose γ = 0 for good (`never_drafts` held): until the times change
 
 

@@ -86,8 +86,8 @@ def test_auto_draft_length_times_replays_and_decodes_the_cpus_greedy_tokens(stac
     """`num_draft_tokens: auto` on CUDA: every γ's round time at start is positive and, with one row, a round of 8
     drafts costs more than one of none (on an H100 a timing once included a graph capture and came out negative, so
     auto took γ = 8 at 0.09-0.16x the target alone), and at T = 0 the tokens are the CPU's greedy ones, without a
-    sync. At 32 rows of these tiny models a round takes about as long at every γ (0.57-1.35 ms for γ = 0..8 on an
-    H200, in no order), so only one row's times have an order."""
+    sync. At 32 rows of these tiny models the host's work per request bounds a round alike for every γ (1.04-1.32 ms
+    for γ = 0..8 on an H200, in no order), so only one row's times have one."""
     *below, top = stacks[kind]
     auto = [*below, {**top, "num_draft_tokens": "auto"}]
     want = [r.token_ids for r in decoder(stacks[kind], "cpu").generate(PROMPTS, max_new_tokens=24, ignore_eos=True)]
