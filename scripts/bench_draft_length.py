@@ -11,8 +11,10 @@ happens in the constructor), the passes interleaved over the settings so that a 
 all alike.
 Prints the device, the target-alone baseline, each setting's decode tok/s (the prefill's time subtracted) and
 end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length, mean γ, both
-ratios to the baseline, and the noise: the range of each pass's decode ratio to the target alone's pass of the same
-round (for the target alone, of its passes against their median).
+ratios to the baseline, the CUDA graphs captured during the timed passes (a capture inside them is timed as decode:
+each arm of auto, or a length bucket first reached there, captures its own round graph at first use), and the
+noise: the range of each pass's decode ratio to the target alone's pass of the same round (for the target alone, of
+its passes against their median).
 
 `--explain [γ ...]` prints instead where a round's time goes, rounds of each γ given (0 if none: auto's floor;
 `auto`: auto left to choose, which leaves its drafters out once it never drafts) against the target's step: per
@@ -98,7 +100,7 @@ def main() -> None:
     print(f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, {len(questions)} GSM8K questions x "
           f"{args.new_tokens} new tokens, median of {args.repeats} passes")  # fmt: skip
     print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
-          f"{'accepted':>8} {'mean γ':>6}  pass by pass (decode)")  # fmt: skip
+          f"{'accepted':>8} {'mean γ':>6} {'captured':>8}  pass by pass (decode)")  # fmt: skip
     gammas = [g if g in ("auto", "tree-auto") else int(g) for g in args.gammas]
     settings = [(None, 0)] + [(d, g) for d in args.drafters for g in gammas]
     for temperature in args.temperature:
@@ -113,6 +115,7 @@ def main() -> None:
             _pass(decoders[drafter, gamma], questions, args.new_tokens)  # warm-up
         # passes interleaved over the settings: a drift of the machine's speed shifts every setting alike
         runs: dict[tuple, list] = {setting: [] for setting in settings}
+        warm = {setting: decoder.stack.scope.graphs_captured() for setting, decoder in decoders.items()}
         for _ in range(args.repeats):
             for setting, decoder in decoders.items():
                 runs[setting].append(_pass(decoder, questions, args.new_tokens))
@@ -133,8 +136,9 @@ def main() -> None:
             accepted = statistics.mean(s.get("mean_accepted_length", 1.0) for s in stats)
             mean_gamma = statistics.mean(s.get("mean_draft_tokens", gamma or 0) for s in stats)
             label = "-" if drafter is None else gamma
+            captured = decoder.stack.scope.graphs_captured() - warm[drafter, gamma]
             print(f"{temperature:>4g} {drafter or 'none':>10} {label!s:>5} {tok_s:12.1f} {tok_s / base:7.2f}x "
-                  f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f}  "
+                  f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f} {captured:8d}  "
                   f"{min(paired):.2f}-{max(paired):.2f}x", flush=True)  # fmt: skip
             if drafter is not None and gamma in ("auto", "tree-auto"):
                 choice = decoder.stack.top.draft_length
