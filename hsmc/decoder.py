@@ -107,10 +107,9 @@ class HierarchicalDecoder:
         synthetic request decoded with it: the time between its first and last read of a round's tokens over the rounds
         between, the fastest of TIMING_REPEATS timings after one untimed run (the first calls of a process are slower).
         Only the steady rounds count: a difference of whole runs (with and without rounds) carried their admission's and
-        prefill's noise (at 32 rows of a tiny pair on an H200, rounds that the host's per-request work bounds alike for
-        every γ timed 0.57-1.35 ms that way, 1.04-1.32 ms from steady reads). Every arm is timed over about
-        TIMING_ROUNDS rounds, however many tokens its rounds keep (given the tokens of 4 rounds that keep all their
-        drafts, γ = 0 got 3 rounds, too few for the host's noise:
+        prefill's noise (docs/measurements/2026-11-29-h200-steady-timing-and-evidence.txt). Every arm is timed over
+        about TIMING_ROUNDS rounds, however many tokens its rounds keep (given the tokens of 4 rounds that keep all
+        their drafts, γ = 0 got 3 rounds, too few for the host's noise:
         docs/measurements/2026-11-29-h200-auto-timing-rounds.txt). With CUDA graphs each shape is captured at its first
         run and a timing during which any graph was captured is taken again: a capture costs more than many rounds (on
         an H100 such timings came out negative). Timed at 1, 4, 16, ... requests and at as many as the rows (and the KV

@@ -19,15 +19,11 @@ drafts again and none is read, so nothing could change the plans but a drafting 
 after. That decision is for good, so it is taken on all the drafts read since the timing, not on the estimate that
 follows the last ~33 row-rounds: only where even α's upper confidence bound (`rate_bound`) leaves every batch size's
 plan at γ = 0 without probes, and after IDLE_EVIDENCE drafts read. Until then such rounds draft the chain predicted
-fastest, not γ = 1: drafts are not i.i.d., a head keeps a draft after a kept one more often than the first, so
-rounds of γ = 1 under-read the chain that would pay. Taken on the estimate, one rejected draft after the prior
-decided it for half the runs of a pair keeping 65 % of its drafts, whose drafting paid
-(docs/measurements/2026-11-29-cpu-auto-idle-trap.txt); read from rounds of γ = 1, SmolLM2's EAGLE3 head
-(bf16, T = 0, an H200) showed α = 0.59-0.63 and went idle at 0.89-0.91x the target alone, while γ = 3 kept 2.49
-tokens a round (α = 0.69 read as i.i.d.) at 1.00-1.04x
-(docs/measurements/2026-11-29-h200-steady-timing-and-evidence.txt). Then the choice goes `idle` (γ = 0 until the
-times change, whatever is read), and the rejection level leaves its drafters out of the rounds (no tokens or features
-handed to them, no backlog, so no drafting round forced by an EAGLE3 head's window every 55 rounds:
+fastest, not γ = 1: drafts are not i.i.d. (a head keeps a draft after a kept one more often than a first one), so
+rounds of γ = 1 under-read the chain that would pay (docs/measurements/2026-11-29-cpu-auto-idle-trap.txt,
+2026-11-29-h200-steady-timing-and-evidence.txt). Then the choice goes `idle` (γ = 0 until the times change,
+whatever is read), and the rejection level leaves its drafters out of the rounds (no tokens or features handed to
+them, no backlog, so no drafting round forced by an EAGLE3 head's window every 55 rounds:
 docs/measurements/2026-11-29-h200-idle-drafter.txt).
 The choice only ever depends on rounds already read, never on the round it is for, so every round is an ordinary
 speculative-sampling round and the output stays an exact sample of the verifier's law.
