@@ -30,6 +30,7 @@ from hsmc.engine.ranks import POOL, Ranks, join
 from hsmc.engine.scheduler import Admission
 from hsmc.engine.tops import StepTop
 from hsmc.errors import ConfigError, ModelLoadError
+from hsmc.levels.draft_length import IDLE
 from hsmc.levels.rejection import RejectionLevel
 from hsmc.levels.stack import build_stack
 from hsmc.models.loading import LoadedModel
@@ -231,9 +232,10 @@ class HierarchicalDecoder:
         sizes x 13 R on an H100). Then capturing stops: a shape first seen later (a context past the first bucket,
         another mix of sampling laws, a batch size between at an R the warmup's law did not plan) runs eagerly and is
         counted (`Graphs.missed`). Under `num_draft_tokens: auto` / `tree: auto` a round's graph depends on the
-        shape chosen from the acceptance seen so far: every batch size runs again once with each shape, captured at
-        its first run (a `model` drafter's probe after a long streak without drafts still runs eagerly: it catches up
-        on a number of tokens no warmup can foresee; an EAGLE3 head's backlog takes one bound, `max_pending`).
+        shape chosen from the acceptance seen so far: every batch size runs again once with each shape, and with
+        rounds of γ = 0 that leave the drafters out (a choice gone idle), captured at its first run (a `model`
+        drafter's probe after a long streak without drafts still runs eagerly: it catches up on a number of tokens
+        no warmup can foresee; an EAGLE3 head's backlog takes one bound, `max_pending`).
         Prefills of a few sizes run once, so that their kernels are compiled too. Nothing to do without graphed
         units."""
         scope = self.stack.scope
@@ -254,10 +256,9 @@ class HierarchicalDecoder:
         forced = stack.choice  # what a batch's last item fixes: a block fill's R, a draft shape
         if stack.is_smc and forced is not None:  # two blocks at each R: a second cycle of its shape
             batches += [(n, 16, 2 * per_step + 1, r) for n in sorted({1, most}) for r in forced.choices(top.block_size)]
-        elif forced is not None:  # three rounds of each draft shape
-            batches += [
-                (n, 16, 3 * (forced.shape(arm)[0] + 1), arm) for n in range(1, most + 1) for arm in range(forced.arms)
-            ]
+        elif forced is not None:  # three rounds of each draft shape, and of γ = 0 with the drafters out (gone idle)
+            arms = [(arm, forced.shape(arm)[0]) for arm in range(forced.arms)] + [(IDLE, 0)]
+            batches += [(n, 16, 3 * (depth + 1), arm) for n in range(1, most + 1) for arm, depth in arms]
         # prefills of other sizes compile their kernels with one token each: Triton specializes on the shapes, and
         # the attention plans (splits by occupancy) change where the row count crosses a power of two
         counts = sorted({1, most, *(2**k + 1 for k in range(most.bit_length()) if 2**k + 1 <= most)})

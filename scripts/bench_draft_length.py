@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's and self-draft's"
     )
+    parser.add_argument(
+        "--warmup", action="store_true", help="engine.warmup: capture every shape's graph before the first pass"
+    )
     parser.add_argument("--explain", nargs="*", type=_gamma, help="where a round of each γ (or auto) goes (see above)")
     args = parser.parse_args()
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
@@ -97,8 +100,9 @@ def main() -> None:
         device = f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     if args.explain is not None:
         return _explain(args, questions[0], device, args.explain or [0])
+    warmed = ", engine.warmup" if args.warmup else ""
     print(f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, {len(questions)} GSM8K questions x "
-          f"{args.new_tokens} new tokens, median of {args.repeats} passes")  # fmt: skip
+          f"{args.new_tokens} new tokens, median of {args.repeats} passes{warmed}")  # fmt: skip
     print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
           f"{'accepted':>8} {'mean γ':>6} {'captured':>8}  pass by pass (decode)")  # fmt: skip
     gammas = [g if g in ("auto", "tree-auto") else int(g) for g in args.gammas]
@@ -109,7 +113,7 @@ def main() -> None:
             decoders[drafter, gamma] = HierarchicalDecoder.from_config(
                 {
                     "levels": _levels(drafter, gamma, temperature, args.dtype),
-                    "engine": {"max_batch_rows": 1, "device": args.device},
+                    "engine": {"max_batch_rows": 1, "device": args.device, "warmup": args.warmup},
                 }
             )
             _pass(decoders[drafter, gamma], questions, args.new_tokens)  # warm-up

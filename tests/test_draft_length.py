@@ -644,6 +644,22 @@ def test_rounds_that_leave_the_drafter_out_recur_as_one_graph(verifier_and_head,
     assert_pools_empty(decoder)
 
 
+def test_after_warmup_a_choice_gone_idle_replays_its_rounds(verifier_and_head, monkeypatch):  # noqa: F811
+    """Rounds of a choice gone idle leave the drafter out, a key of their own graph: `warmup()` captures them at
+    every batch size (units and captures emulated as on CUDA), so a serving stack that goes idle replays them rather
+    than running each round eagerly (0.39x the target alone on an H200 before), the greedy tokens the verifier's."""
+    decoder = _graphed_auto_stack(verifier_and_head, monkeypatch, drafter="eagle3", rows=2)
+    level = decoder.stack.top
+    decoder.warmup(progress=False)
+    _never_drafting(level.draft_length)
+    prompts = [[5, 9, 13], [7] * 11]
+    results = decoder.generate(prompts, max_new_tokens=40, ignore_eos=True)
+    assert [r.token_ids for r in results] == [_hf_greedy(verifier_and_head[0], p, 40) for p in prompts]
+    assert level.idle_drafter and level.rounds.replays == 0
+    assert level.bare_rounds.missed == 0 and level.bare_rounds.replays >= 39, level.bare_rounds.missed
+    assert_pools_empty(decoder)
+
+
 def test_an_eagle3_heads_probes_after_streaks_recur_as_one_graph(verifier_and_head, monkeypatch):  # noqa: F811
     """An EAGLE3 head's pairs left by rounds of γ = 0 are a key of the next drafting round's graph: its bound is
     taken to `max_pending` before such a round, so every probe after a streak (of any length) is one shape,

@@ -44,6 +44,7 @@ DRAFT_MARGIN = 0.05  # drafting replaces the target alone only where predicted t
 PROBE_SHARE = 0.02  # most share of the time that rounds drafting against the choice (to observe acceptance) take
 PRIOR = (1.0, 1.0)  # pseudo-counts (kept, rejected) before any round is read: α = 0.5
 IDLE_EVIDENCE = 32  # drafts read before the choice may go idle (the confidence bound below is an approximation)
+IDLE = -1  # the arm forced for rounds of γ = 0 that leave the drafters out, as those of a choice gone idle (a warmup's)
 IDLE_CONFIDENCE_Z = 1.645  # idle only where even α's one-sided 95 % upper bound (Wilson's) leaves every draft unpaid
 TREE_PRIOR_TOKENS = 4.0  # a tree's yield over its prediction starts at 1 as if from rounds of this many tokens
 
@@ -65,7 +66,7 @@ class DraftLength:
         self._plans: dict[tuple[int, bool], tuple[int, int | None, int]] = {}
         self._round_ms: dict[int, list[float]] | None = None
         self._catch_up_ms: dict[int, float] = {}
-        self.forced: int | None = None  # the arm every round takes while the rounds are timed
+        self.forced: int | None = None  # the arm every round takes while the rounds are timed or warmed up (or IDLE)
         self.forget()
 
     @property
@@ -135,7 +136,7 @@ class DraftLength:
     def choose(self, rows: int) -> int:
         """The arm of the next round of `rows` rows."""
         if self.forced is not None:
-            return self.forced
+            return max(self.forced, 0)
         if self.round_ms is None:
             return self.most // 2
         if self.idle or self.never_drafts:
@@ -151,6 +152,14 @@ class DraftLength:
             return 0
         self.waited = 0
         return 1
+
+    @property
+    def drafters_out(self) -> bool:
+        """Whether the next rounds leave the drafters out: the choice went idle, or IDLE is forced. A round of γ = 0
+        that leaves them out is a graph of its own, which a warmup must capture too (a serving stack gone idle ran
+        its rounds eagerly at 0.39x the target alone on an H200: docs/measurements/2026-11-29-h200-warmup-idle.txt).
+        """
+        return self.idle if self.forced is None else self.forced == IDLE
 
     @property
     def never_drafts(self) -> bool:

@@ -185,9 +185,8 @@ class RejectionLevel:
         choice = None
         if self.draft_length is not None:
             choice = self.draft_length.choose(rows.shape[0])
-            # no round drafts again (a timing or a warmup forces shapes on requests of their own): the drafter need
-            # not follow the rows, and its backlog forces no drafting round
-            self.idle_drafter = self.draft_length.idle and self.draft_length.forced is None
+            # no round drafts again: the drafter need not follow the rows, and its backlog forces no drafting round
+            self.idle_drafter = self.draft_length.drafters_out
             if choice == 0 and not self.idle_drafter and _backlog_full(self.waiting):
                 choice = 1  # the drafter may leave no more tokens waiting (an EAGLE3 head's feature window)
             self._take(*self.draft_length.shape(choice))

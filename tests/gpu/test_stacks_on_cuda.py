@@ -106,15 +106,18 @@ def test_auto_draft_length_times_replays_and_decodes_the_cpus_greedy_tokens(stac
 @pytest.mark.parametrize("kind", ["rejection", "eagle3"])
 def test_auto_that_never_drafts_replays_rounds_without_the_drafter_and_draws_the_eagers_tokens(stacks, kind):
     """`num_draft_tokens: auto` whose round times make it never draft (no γ pays at α = 0.5 and the catch-up
-    exceeds the probes' share): its rounds leave the drafter out, replay one graph without a sync and draw the eager
-    decoder's tokens for the same seeds at T = 1, longer than an EAGLE3 head's window, with no drafting round."""
+    exceeds the probes' share): its rounds leave the drafter out, replay one graph captured by `warmup()` (none runs
+    eagerly) without a sync and draw the eager decoder's tokens for the same seeds at T = 1, longer than an EAGLE3
+    head's window, with no drafting round."""
     *below, top = stacks[kind]
     auto = [*below, {**top, "num_draft_tokens": "auto", "temperature": 1.0}]
     params = [SamplingParams(seed=s, max_tokens=90, ignore_eos=True) for s in (3, 4, 5, 6)]
 
-    def untimed(**engine) -> HierarchicalDecoder:  # the times are set below: no start-up timing (minutes here)
+    def untimed(warm: bool = False, **engine) -> HierarchicalDecoder:  # times set below, not timed (minutes here)
         with mock.patch.object(HierarchicalDecoder, "_time_rounds", lambda self, level: None):
             d = decoder(auto, "cuda", **engine)
+        if warm:
+            d.warmup(progress=False)
         choice = d.stack.top.draft_length
         choice.round_ms = {n: [0.75, 2.03, 2.40, 2.14, 2.31, 2.63, 2.84, 2.95, 10.3] for n in (1, 4)}
         choice.catch_up_ms = {1: 0.03, 4: 0.03}
@@ -127,11 +130,11 @@ def test_auto_that_never_drafts_replays_rounds_without_the_drafter_and_draws_the
         return [r.token_ids for r in d.generate(PROMPTS, params=params)]
 
     eager = run(untimed(cuda_graphs=False))
-    graphed = untimed()
-    run(graphed)  # captures
+    graphed = untimed(warm=True, max_batch_rows=len(PROMPTS))
     assert without_syncs(lambda: run(graphed)) == eager
     level = graphed.stack.top
-    assert level.idle_drafter and level.bare_rounds.replays > 80 and level.drafted == 0
+    assert level.idle_drafter and level.bare_rounds.replays > 80 and level.bare_rounds.missed == 0
+    assert level.drafted == 0
     graphed.driver.quiesce()
     assert_pools_empty(graphed)
 
