@@ -58,29 +58,36 @@ def _exact_sequences(path, prompt: list[int], n: int, temperature: float, top_k:
     return out
 
 
-def test_rejection_top_is_exact_for_the_requests_cut_law(models):
-    """A rejection level verifying a sampled draft (T = 1, uncut) reproduces the request's law p' (T = 0.8, top_k =
-    20, top_p = 0.9) exactly: chi-square of the first 3 tokens over 20 000 samples; the same test rejects the
-    uncut law at T = 0.8 (the cut has mass to lose at every position)."""
+def _sample_the_cut_law(models, top: dict, temperature: float, seed: int, kv: int) -> tuple[HierarchicalDecoder, list]:
+    """[model drafter at T = 1, `top` over the target] under a request's cut law (T = `temperature`, top_k = 20,
+    top_p = 0.9): 20 000 samples of 3 tokens follow p' (chi-square), and the test has power against the uncut law."""
     draft, target = models
     prompt, n = [1, 4, 2], 20_000
     decoder = HierarchicalDecoder.from_config(
         {
             "levels": [
                 {"kind": "model", "model": str(draft), "temperature": 1.0},
-                {"kind": "rejection", "model": str(target), "temperature": 1.0, "num_draft_tokens": 2},
+                {"kind": "rejection", "model": str(target), "temperature": 1.0, **top},
             ],
-            "engine": {"kv_capacity_tokens": 32768, "max_batch_rows": 2500},
+            "engine": {"kv_capacity_tokens": kv, "max_batch_rows": 2500},
         }
     )
-    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8, top_k=20, top_p=0.9)
-    results = decoder.generate([prompt] * n, params=params, seed=5)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=temperature, top_k=20, top_p=0.9)
+    results = decoder.generate([prompt] * n, params=params, seed=seed)
     samples = [tuple(r.token_ids) for r in results]
-    cut = {s: math.exp(lp) for s, lp in _exact_sequences(target, prompt, 3, 0.8, 20, 0.9).items()}
+    cut = {s: math.exp(lp) for s, lp in _exact_sequences(target, prompt, 3, temperature, 20, 0.9).items()}
     assert all(cut[s] > 0 for s in samples), "a token outside the request's top-k / top-p"
     assert _chi2_pvalue(samples, {s: p for s, p in cut.items() if p > 0}) > 1e-3
-    uncut = {s: math.exp(lp) for s, lp in _exact_sequences(target, prompt, 3, 0.8).items()}
+    uncut = {s: math.exp(lp) for s, lp in _exact_sequences(target, prompt, 3, temperature).items()}
     assert _chi2_pvalue(samples, uncut) < 1e-6
+    return decoder, results
+
+
+def test_rejection_top_is_exact_for_the_requests_cut_law(models):
+    """A rejection level verifying a sampled draft (T = 1, uncut) reproduces the request's law p' (T = 0.8, top_k =
+    20, top_p = 0.9) exactly: chi-square of the first 3 tokens over 20 000 samples; the same test rejects the
+    uncut law at T = 0.8 (the cut has mass to lose at every position)."""
+    decoder, _ = _sample_the_cut_law(models, {"num_draft_tokens": 2}, 0.8, seed=5, kv=32768)
     assert_pools_empty(decoder)
 
 
@@ -90,26 +97,8 @@ def test_tree_rules_are_exact_for_the_requests_cut_law(models, rule):
     trees (depth 2, top-k 2, budget 4) drafted at T = 1 reproduces p' exactly, chi-square of the first 3 tokens over
     20 000 samples, and the same test rejects the uncut law at T = 0.7 (issue 32's exactness at T = 0.7 with top-k /
     top-p: children outside the cut must be rejected and the residual renormalized within it)."""
-    draft, target = models
-    prompt, n = [1, 4, 2], 20_000
-    tree = {"depth": 2, "topk": 2, "budget": 4}
-    decoder = HierarchicalDecoder.from_config(
-        {
-            "levels": [
-                {"kind": "model", "model": str(draft), "temperature": 1.0},
-                {"kind": "rejection", "model": str(target), "temperature": 1.0, "tree": tree, "tree_rule": rule},
-            ],
-            "engine": {"kv_capacity_tokens": 65536, "max_batch_rows": 2500},
-        }
-    )
-    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.7, top_k=20, top_p=0.9)
-    results = decoder.generate([prompt] * n, params=params, seed=7)
-    samples = [tuple(r.token_ids) for r in results]
-    cut = {s: math.exp(lp) for s, lp in _exact_sequences(target, prompt, 3, 0.7, 20, 0.9).items()}
-    assert all(cut[s] > 0 for s in samples), "a token outside the request's top-k / top-p"
-    assert _chi2_pvalue(samples, {s: p for s, p in cut.items() if p > 0}) > 1e-3
-    uncut = {s: math.exp(lp) for s, lp in _exact_sequences(target, prompt, 3, 0.7).items()}
-    assert _chi2_pvalue(samples, uncut) < 1e-6
+    tree = {"tree": {"depth": 2, "topk": 2, "budget": 4}, "tree_rule": rule}
+    decoder, results = _sample_the_cut_law(models, tree, 0.7, seed=7, kv=65536)
     # drafts are kept (a fixed top-k tree of an unrelated random draft model less often than children drawn from q)
     kept = results[0].stats["levels"][1]["mean_accepted_length"]
     assert kept > (1.2 if rule == "draft_aware" else 1.01), kept
