@@ -32,8 +32,8 @@ class PendingRead:
             self.host.copy_(value, non_blocking=True)
             self.event: torch.cuda.Event | None = torch.cuda.Event()
             self.event.record()
-        else:
-            self.host, self.event = value, None
+        else:  # a copy: a graph's output (its static tensor) changes at the next replay, launched before this read
+            self.host, self.event = value.clone(), None
 
     def result(self) -> list:
         """One tensor: its values as (nested) lists; several: a list of them, one per tensor."""

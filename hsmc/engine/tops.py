@@ -138,15 +138,14 @@ class StepTop:
         self.level.set_len_bound(bound)
         rows = self._index([g.rows[0] for g in groups])
         emission = self.level.step(rows)
-        counters = torch.cat([*self.level.row_counters(rows), rows.new_zeros(len(rows), 0)], 1)
-        read = PendingRead(torch.cat([emission.tokens, emission.count[:, None]], 1), counters)
-        return Launch(groups, read, self.level.step_growth, cycle=emission.choice)
+        cycle = (emission.width, emission.choice)
+        return Launch(groups, PendingRead(emission.record), self.level.step_growth, cycle=cycle)
 
     def settle(self, launch: Launch, values: list) -> Settled:
-        steps, counters = values  # float64: exact for token ids and counts
-        if launch.cycle is not None:  # a rejection step whose draft shape was chosen: what its rows kept
-            self.level.observe(launch.cycle, [int(row[-1]) - 1 for row in steps])
-        return Settled([[[int(t) for t in row[: int(row[-1])]]] for row in steps], counters)
+        width, choice = launch.cycle  # each row's record: its tokens (width), their count, its counters
+        if choice is not None:  # a rejection step whose draft shape was chosen: what its rows kept
+            self.level.observe(choice, [row[width] - 1 for row in values])
+        return Settled([[row[: row[width]]] for row in values], [row[width + 1 :] for row in values])
 
     def weigh(self, launch: Launch, kept: list[int], ends: list[bool]) -> None:
         raise RuntimeError("a model or rejection top is never weighed")

@@ -74,10 +74,13 @@ class Proposal:
 
 @dataclass
 class Emission:
-    """What a streaming top produced in one step: tokens[i, :count[i]] for row i."""
+    """What a streaming top produced in one step, as the one record the host reads: row i's tokens
+    record[i, :width] (the first record[i, width] of them), then its counters (`row_counters`). A rejection level
+    packs it inside its round's graph: gathering the counters after the replay cost the host ~150 µs a step, the
+    whole gap of an idle `auto` to its target alone on an H200 (docs/measurements/2026-11-29-h200-warmup-idle.txt)."""
 
-    tokens: torch.Tensor  # int64 [R, W]
-    count: torch.Tensor  # int64 [R]
+    record: torch.Tensor  # int64 [R, width + 1 + counters]
+    width: int
     choice: int | None = None  # a rejection step whose draft shape was chosen: the arm (`DraftLength`)
 
 

@@ -84,7 +84,7 @@ class ModelLevel:
 
     def step(self, rows: torch.Tensor) -> Emission:
         tokens = self._sampled(rows) if self.steps is None else self.steps(rows)
-        return Emission(tokens, torch.ones(len(rows), dtype=torch.int64, device=rows.device))
+        return Emission(torch.nn.functional.pad(tokens, (0, 1), value=1), 1)  # one token, its count
 
     def _sampled(self, rows: torch.Tensor) -> torch.Tensor:
         """A top's step: one token [R, 1] for each row."""

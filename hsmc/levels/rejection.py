@@ -191,8 +191,8 @@ class RejectionLevel:
                 choice = 1  # the drafter may leave no more tokens waiting (an EAGLE3 head's feature window)
             self._take(*self.draft_length.shape(choice))
             self.drafted, self.steps = self.drafted + self.gamma, self.steps + 1
-        tokens, count = self._emitted(rows) if self.rounds is None else self._unit()(rows, None, emit=True)
-        return Emission(tokens, count, choice)
+        record = self._emitted(rows) if self.rounds is None else self._unit()(rows, None, emit=True)
+        return Emission(record, self.gamma + 1, choice)
 
     def observe(self, arm: int, accepted: list[int]) -> None:
         """A step's read: each row kept `accepted` of the drafts of `draft_length`'s arm `arm`."""
@@ -289,25 +289,24 @@ class RejectionLevel:
                 setattr(field.owner, field.name, 0)
         return self.bare_rounds if bare else self.rounds
 
-    def _kept(
-        self, rows: torch.Tensor, active: torch.Tensor | None = None, emit: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _kept(self, rows: torch.Tensor, active: torch.Tensor | None = None, emit: bool = False) -> torch.Tensor:
         """A round's kept-draft counts alone: a graph keeps its outputs alive (the distributions would be
         R x (γ+1) x vocab floats per captured shape), and only a level drafting for another reads them. `emit`
         (a top's step): what the round emits instead (`_emitted`)."""
         return self._emitted(rows) if emit else self._round(rows, active)[0]
 
-    def _emitted(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A top's step: one round, then its tokens [R, γ+1] (0 past each row's count) and their count [R], the
-        rows' new tokens acknowledged. Inside the round's graph, so a step costs one replay on the host, as a
-        model top's does, not one plus a launch for each of these small ops."""
+    def _emitted(self, rows: torch.Tensor) -> torch.Tensor:
+        """A top's step: one round, the rows' new tokens acknowledged, then its record (`Emission`): tokens
+        [R, γ+1] (0 past each row's count), their count, the counters. Inside the round's graph, so a step costs one
+        replay on the host, as a model top's does, not one plus a launch for each of these small ops."""
         if self.gamma == 0 and self.tree is None:
-            return self._undrafted(rows)
-        base = self.state.seq_len[rows]
-        accepted = self._round(rows)[0]
-        tokens = self.state.window(rows, base, accepted + 1, self.gamma + 1)
-        self.acknowledged[rows] = self.state.seq_len[rows]
-        return tokens, accepted + 1
+            tokens, count = self._undrafted(rows)
+        else:
+            base = self.state.seq_len[rows]
+            count = self._round(rows)[0] + 1
+            tokens = self.state.window(rows, base, count, self.gamma + 1)
+            self.acknowledged[rows] = self.state.seq_len[rows]
+        return torch.cat([tokens, count[:, None], *self.row_counters(rows)], 1)
 
     def _undrafted(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A top's round of γ = 0 (`_emitted`), as a model top's step: one forward, one draw from p' (the sampler's
