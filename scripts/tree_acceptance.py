@@ -8,7 +8,8 @@ configs/demo.yaml): each row verifies `budget` drafts per round â€” a chain of Î
 T = 0, where a greedy verifier makes it draft the top-k as target_only does). Prints one row per (T, budget,
 drafting): mean accepted length per verify (tokens emitted per round) and tokens/s on this machine. Any head
 temperature keeps draft_aware exact (children are drawn from the law they are verified against):
---draft-aware-temperature tries a sharper one.
+--draft-aware-temperature tries a sharper one. --self-draft-layers N drafts with a `model` level instead: the
+verifier's first N layers (its own KV, a full language model's law at every depth of the tree).
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ def drafting(
 def run(args: argparse.Namespace, kind: str, budget: int, temperature: float, questions: list[str]):
     shapes = {b: tuple(args.tree_shape) for b in SHAPES} if args.tree_shape else SHAPES
     head_t, rejection = drafting(kind, budget, temperature, args.draft_aware_temperature, shapes)
+    if args.self_draft_layers:  # a `model` drafter: the verifier's first layers, with its own KV and full law
+        drafter = {"kind": "model", "model": args.verifier, "num_layers": args.self_draft_layers}
+    else:
+        drafter = {"kind": "eagle3", "model": args.head, "dtype": "bfloat16"}
     levels = [
-        {"kind": "eagle3", "model": args.head, "dtype": "bfloat16", "temperature": head_t},
+        {**drafter, "temperature": head_t},
         {"kind": "rejection", "model": args.verifier, "temperature": temperature, **rejection},
     ]
     decoder = HierarchicalDecoder.from_config(
@@ -66,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head", default=str(HEAD))
     parser.add_argument("--verifier", default="smollm2-135m-instruct")
+    parser.add_argument("--self-draft-layers", type=int, help="draft with the verifier's first N layers, not --head")
     parser.add_argument("--questions", type=int, default=50)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32], choices=sorted(SHAPES))
