@@ -1,13 +1,16 @@
 """`hsmc bench` pieces that run without a GPU: random models of real shapes, the transformers twin that
-shares their weights, and the refusal on a machine without CUDA."""
+shares their weights, the refusal on a machine without CUDA, and what is timed."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import TINY_CONFIGS
 from helpers import make_runner, run_new_tokens
 
+from hsmc import bench
 from hsmc.bench import hf_twin
 from hsmc.cli import main
 from hsmc.models.config import DecoderConfig
@@ -84,3 +87,30 @@ def test_fp8_table_rows_carry_their_speed_up_over_bf16():
     lines = format_table([fp8, bf16], "GPU", 3.3e12).splitlines()
     assert lines[2].split()[-1] == "1.80x" and "90.0%" in lines[2]  # 90 of a 100 tok/s FP8 roofline
     assert lines[3].split()[-1] == "-" and "1.25x" in lines[3]  # bf16 row: its transformers ratio, no fp8 ratio
+
+
+def test_bench_times_no_run_length_it_has_not_run_before(monkeypatch):
+    """A first run compiles the kernels its shapes need, so timing one measures the compiler: on an H200 the first
+    1-token run at 72 rows compiled 15 Triton kernels the 16-token warm-up had not (10 s), and the decode time (the
+    N-token run minus the 1-token run) came out negative."""
+    lengths: list[int] = []
+    timed_runs: list[tuple[int, list[int]]] = []  # (the timed run's length, the lengths run before it)
+
+    class Decoder:
+        def generate(self, ids: list, max_new_tokens: int, ignore_eos: bool) -> list:
+            lengths.append(max_new_tokens)
+            return [SimpleNamespace(stats={"levels": []})]
+
+    def timed(fn, device=None) -> float:
+        before = len(lengths)
+        fn()
+        timed_runs.append((lengths[before], lengths[:before]))
+        return float(len(timed_runs))  # the N-token run (timed second) takes longer than the 1-token run
+
+    monkeypatch.setattr(bench, "timed", timed)
+    top = torch.nn.Linear(2, 2)
+    top.config = SimpleNamespace(vocab_size=10)
+    bench.bench_decoder("case", Decoder(), top, None, [1, 72], prompt_tokens=4, new_tokens=64, bandwidth=1e12)
+    assert [length for length, _ in timed_runs] == [1, 64, 1, 64]
+    for length, before in timed_runs:
+        assert length in before
