@@ -171,9 +171,8 @@ def bench_decoder(
         def run(n: int) -> list:
             return decoder.generate(ids, max_new_tokens=n, ignore_eos=True)
 
-        # warm-up: both timed runs once, kernels compiled and graphs captured (every context bucket the N tokens
-        # reach); at 72 rows the first 1-token run compiled 15 Triton kernels that a 16-token run had not (10.2 s
-        # against 0.26 s warm; Qwen3-8B shape, H200, 2026-11-30), more than the decode it is subtracted from
+        # warm-up: both timed runs once (kernels compiled, graphs captured): a first 1-token run can compile kernels
+        # the longer run did not (docs/measurements/2026-11-30-h200-bench-one-token-warmup.txt)
         run(new_tokens)
         run(1)
         t_one = timed(lambda: run(1))
