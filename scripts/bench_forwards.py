@@ -10,6 +10,8 @@ profile-fp8  issue 30 item 6: the forwards of a 16-request FP8 SMC cycle by kern
              8B's proposal step 128 x 1, the 32B's verify 128 x 9) against their FP8 tensor-core bound and weight read.
 profile-smc  the forwards of an SMC cycle by kernel (8B proposal step 8 x 1, 32B verify 8 x 9, the 8B's EAGLE3 head
              draft step 6 x 1), with and without programmatic dependent launch (the PDL-off run is the baseline).
+profile-tp   issue 31: where a sharded forward loses against half of TP=1's time: the 8B's decode step (1 and 8
+             rows) and the 32B's SMC verify (8 x 9) by kernel at TP=1 and at TP=N over all visible GPUs (rank 0).
 vocab        what follows a forward over the 151,936-entry vocabulary: a Gumbel-max draw for 8 rows and the float64
              log-sum-exps of a 72-row verify (`hsmc.ops.vocab`), against the torch route and the logits' read.
 tree-verify  issue 32: the 8B's verify over a draft tree's budget + 1 tokens (tree mask, positions by depth) and over
@@ -17,7 +19,7 @@ tree-verify  issue 32: the 8B's verify over a draft tree's budget + 1 tokens (tr
              head -> 8B] and of the hierarchical stack [EAGLE3 head -> 8B -> 32B SMC, N = 8, K = 8] with a tree and
              with a chain of the same budget at the SmolLM2 head's measured acceptance.
 
-    python scripts/bench_forwards.py [--parts verify,prefill,capture,profile,profile-smc,vocab,tree-verify]
+    python scripts/bench_forwards.py [--parts verify,prefill,capture,profile,profile-smc,profile-tp,vocab,tree-verify]
         [--out DIR]
 
 Decode tok/s against transformers and the roofline: `hsmc bench --shape qwen3-8b,qwen3-32b [--dtype fp8]`.
@@ -36,10 +38,18 @@ from gpu_common import FP8_PEAK_FLOPS, Report, layer_dims, run_parts
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.runner import ModelRunner
 from hsmc.models.config import DecoderConfig
+from hsmc.models.parallel import SINGLE, TensorParallel
 from hsmc.models.shapes import hf_config, random_model
 from hsmc.models.size import weight_bytes
 from hsmc.ops.fp8_linear import Fp8Linear
 from hsmc.ops.triton_backend import TritonBackend
+
+TIMED_STEPS = 50
+TP_CASES = (  # shape, rows, new tokens per row, logits of the last token only
+    ("qwen3-8b", 1, 1, True),
+    ("qwen3-8b", 8, 1, True),
+    ("qwen3-32b", 8, 9, False),
+)
 
 
 def runner_of(shape: str, rows: int, row_tokens: int, graphs: bool = True) -> tuple[ModelRunner, BlockTables]:
@@ -139,12 +149,13 @@ def forward_step(
     graphs: bool,
     last_only: bool = True,
     fp8: bool = False,
+    tp: TensorParallel = SINGLE,
 ):
     """(module, step): `step()` runs one forward of `rows_n` rows x `width` new tokens after `context` tokens (prefilled
     here) of the random bf16 `shape` (or of a random EAGLE3 head for it), rolled back after each call; `graphs`: the
     runner replays its own graphs (off: the caller captures `step` whole, as a graphed round holds its forwards);
     `last_only` False: the logits of every new token, as a verify; `fp8`: FP8 weights and activations (as
-    `engine.fp8_activations`)."""
+    `engine.fp8_activations`); `tp`: this rank's shard of the model."""
     from hsmc.eagle.checkpoint import random_eagle3_head
     from hsmc.models.shapes import SHAPES
 
@@ -154,7 +165,7 @@ def forward_step(
         model = random_eagle3_head(SHAPES[shape], "bfloat16", "cuda")[0]
         runner = ModelRunner(model, tables, TritonBackend(), 1, cuda_graphs=graphs)
     else:
-        model = random_model(cfg, torch.bfloat16, "cuda", fp8=fp8)
+        model = random_model(cfg, torch.bfloat16, "cuda", fp8=fp8, tp=tp)
         runner = ModelRunner(model, tables, TritonBackend(), cfg.num_layers, cuda_graphs=graphs)
     for linear in (m for m in model.modules() if isinstance(m, Fp8Linear)):
         linear.dynamic_activations = True
@@ -179,14 +190,22 @@ def forward_step(
 
 
 def profile_forward(
-    shape: str, rows_n: int, width: int, context: int, head: bool = False, last_only: bool = True, fp8: bool = False
+    shape: str,
+    rows_n: int,
+    width: int,
+    context: int,
+    head: bool = False,
+    last_only: bool = True,
+    fp8: bool = False,
+    tp: TensorParallel = SINGLE,
 ):
     """One forward (graph replay) of `rows_n` rows x `width` new tokens after `context` tokens of the random bf16
-    `shape` (or of a random EAGLE3 head for it; `last_only`, `fp8` as in `forward_step`): (weights' bytes, wall ms per
-    forward, {kernel: (us, launches)})."""
+    `shape` (or of a random EAGLE3 head for it; `last_only`, `fp8`, `tp` as in `forward_step`): (weights' bytes, wall
+    ms per forward, {kernel: (us, launches)}). A fixed count of timed steps, so that the ranks of a sharded model
+    replay their all-reduces equally often."""
     from torch.profiler import ProfilerActivity, profile
 
-    model, step = forward_step(shape, rows_n, width, context, head, graphs=True, last_only=last_only, fp8=fp8)
+    model, step = forward_step(shape, rows_n, width, context, head, graphs=True, last_only=last_only, fp8=fp8, tp=tp)
     with torch.inference_mode():
         for _ in range(3):
             step()
@@ -195,7 +214,13 @@ def profile_forward(
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
-        wall_ms = triton.testing.do_bench(step, return_mode="median")
+        timed = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        timed[0].record()
+        for _ in range(TIMED_STEPS):
+            step()
+        timed[1].record()
+        timed[1].synchronize()
+    wall_ms = timed[0].elapsed_time(timed[1]) / TIMED_STEPS
     kernels = {e.key: (e.device_time_total / 5, e.count // 5) for e in prof.key_averages() if e.device_time_total > 0}
     return weight_bytes(model), wall_ms, kernels
 
@@ -244,6 +269,60 @@ def profile_smc(report: Report) -> None:
                 torch.cuda.empty_cache()
     finally:
         pdl.pdl_supported = supported
+
+
+def _profile_tp_rank(rank: int, world: int, init_method: str, results) -> None:
+    """One rank of `profile_tp`: every case of `TP_CASES` on this rank's shard; rank 0 hands its profiles back."""
+    from hsmc.engine.ranks import join
+
+    ranks = join(rank, world, init_method, "cuda")
+    for shape, rows_n, width, last_only in TP_CASES:
+        profiled = profile_forward(shape, rows_n, width, 259, last_only=last_only, tp=ranks.tp)
+        if rank == 0:
+            results.put(profiled)
+        gc.collect()
+        torch.cuda.empty_cache()
+    ranks.leave()
+
+
+def profile_tp(report: Report) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    world = torch.cuda.device_count()
+    if world < 2:
+        report.say(f"profile-tp: needs 2 or more GPUs, {world} visible")
+        return
+    single = []
+    for shape, rows_n, width, last_only in TP_CASES:
+        single.append(profile_forward(shape, rows_n, width, 259, last_only=last_only))
+        gc.collect()
+        torch.cuda.empty_cache()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_profile_tp_rank, args=(r, world, init_method, results)) for r in range(world)]
+    for p in ranks:
+        p.start()
+    sharded = [results.get() for _ in TP_CASES]
+    for p in ranks:
+        p.join()
+    report.say(f"== forwards by kernel at TP=1 and TP={world} (rank 0), graph replay; 'ideal' is half of TP=1 ==")
+    for (shape, rows_n, width, _), one, many in zip(TP_CASES, single, sharded, strict=True):
+        (bytes_1, ms_1, k_1), (bytes_n, ms_n, k_n) = one, many
+        report.say(f"{shape} {rows_n} x {width}: {ms_1:.3f} ms at TP=1 ({report.read_ms(bytes_1) / ms_1:.0%} of its "
+                   f"read), {ms_n:.3f} ms at TP={world} ({report.read_ms(bytes_n) / ms_n:.0%}; {ms_n / ms_1:.3f}x "
+                   f"TP=1); kernels summed {sum(u for u, _ in k_1.values()) / 1e3:.3f} / "
+                   f"{sum(u for u, _ in k_n.values()) / 1e3:.3f} ms",
+                   case=f"{shape} {rows_n}x{width}", tp1_ms=ms_1, tpn_ms=ms_n, tp1=k_1, tpn=k_n)  # fmt: skip
+        names = sorted(set(k_1) | set(k_n), key=lambda k: -max(k_1.get(k, (0, 0))[0], k_n.get(k, (0, 0))[0]))
+        for name in names[:16]:
+            (u1, n1), (un, nn) = k_1.get(name, (0.0, 0)), k_n.get(name, (0.0, 0))
+            excess = un - u1 / world
+            report.say(f"  {name[:58]:<58} {u1:9.1f} us x{n1:<4} {un:9.1f} us x{nn:<4} over ideal {excess:+8.1f} us")
 
 
 def profile_fp8(report: Report) -> None:
@@ -426,5 +505,6 @@ def tree_verify(report: Report) -> None:
 
 if __name__ == "__main__":
     parts = {"verify": verify, "prefill": prefill, "capture": capture, "profile": profile, "profile-smc": profile_smc,
-             "profile-fp8": profile_fp8, "vocab": vocab, "tree-verify": tree_verify}  # fmt: skip
+             "profile-fp8": profile_fp8, "profile-tp": profile_tp, "vocab": vocab,
+             "tree-verify": tree_verify}  # fmt: skip
     run_parts(__doc__.split("\n\n")[0], parts, "bench_forwards")
