@@ -432,6 +432,7 @@ def test_smc_stream_sends_the_consensus_and_ends_with_every_particle(servers, de
 def test_a_client_that_disconnects_cancels_its_request(servers, decoders):
     """Streamed or not, a request whose client leaves is cancelled: its rows and KV slots are free again."""
     decoder, base = decoders["rejection"], servers["rejection"]
+    wait_idle(decoder)  # so that "running rows" below counts this test's request alone
     cancelled = metric(base, 'hsmc_requests_total{status="cancelled"}')
     # runs for minutes (16000 tokens took over 300 s here), yet twice in CI under load it was no longer running when
     # its first chunk was read, cause unknown: a failure now says what the stream carried next
