@@ -211,6 +211,9 @@ def profile_forward(
             step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            if tp.world_size > 1:  # the ranks' profilers start at different times: a rank's first all-reduce would
+                torch.distributed.barrier()  # time its wait for the others (3 ms in 2026-11-30's run 1), not its work
+                torch.cuda.synchronize()
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
