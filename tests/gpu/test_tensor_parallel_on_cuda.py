@@ -55,7 +55,8 @@ def test_smc_on_two_gpus_gives_one_gpus_particles_and_weights(stacks, kind):  # 
 
 
 _DECODE_AND_EXIT = """
-import json, sys
+import faulthandler, json, sys
+faulthandler.dump_traceback_later(200, exit=True)  # stuck (at exit too): where, in stderr, before the test's timeout
 from hsmc.decoder import HierarchicalDecoder
 config, close = json.loads(sys.argv[1]), sys.argv[2] == "close"
 decoder = HierarchicalDecoder.from_config(config)
