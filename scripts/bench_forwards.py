@@ -33,7 +33,7 @@ import time
 
 import torch
 import triton.testing
-from gpu_common import FP8_PEAK_FLOPS, Report, layer_dims, run_parts
+from gpu_common import FP8_PEAK_FLOPS, Report, layer_dims, on_every_rank, run_parts
 
 from hsmc.engine.kv_pool import BlockTables, SlotAllocator
 from hsmc.engine.runner import ModelRunner
@@ -279,20 +279,17 @@ def _profile_tp_rank(rank: int, world: int, init_method: str, results) -> None:
     from hsmc.engine.ranks import join
 
     ranks = join(rank, world, init_method, "cuda")
+    profiled = []
     for shape, rows_n, width, last_only in TP_CASES:
-        profiled = profile_forward(shape, rows_n, width, 259, last_only=last_only, tp=ranks.tp)
-        if rank == 0:
-            results.put(profiled)
+        profiled.append(profile_forward(shape, rows_n, width, 259, last_only=last_only, tp=ranks.tp))
         gc.collect()
         torch.cuda.empty_cache()
+    if rank == 0:
+        results.put(profiled)
     ranks.leave()
 
 
 def profile_tp(report: Report) -> None:
-    import socket
-
-    import torch.multiprocessing as mp
-
     world = torch.cuda.device_count()
     if world < 2:
         report.say(f"profile-tp: needs 2 or more GPUs, {world} visible")
@@ -302,17 +299,7 @@ def profile_tp(report: Report) -> None:
         single.append(profile_forward(shape, rows_n, width, 259, last_only=last_only))
         gc.collect()
         torch.cuda.empty_cache()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    ranks = [context.Process(target=_profile_tp_rank, args=(r, world, init_method, results)) for r in range(world)]
-    for p in ranks:
-        p.start()
-    sharded = [results.get() for _ in TP_CASES]
-    for p in ranks:
-        p.join()
+    sharded = on_every_rank(_profile_tp_rank, world)
     report.say(f"== forwards by kernel at TP=1 and TP={world} (rank 0), graph replay; 'ideal' is half of TP=1 ==")
     for (shape, rows_n, width, _), one, many in zip(TP_CASES, single, sharded, strict=True):
         (bytes_1, ms_1, k_1), (bytes_n, ms_n, k_n) = one, many

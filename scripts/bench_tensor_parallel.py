@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from gpu_common import Report, capture, run_parts
+from gpu_common import Report, capture, on_every_rank, run_parts
 
 ROWS = (1, 8, 64, 72, 128, 512, 2048)  # decode, SMC particles, an SMC verify (8 x 9), prefill chunks
 HIDDEN = 5120  # Qwen3-32B
@@ -100,25 +100,9 @@ def _graph_us(fn, calls: int = 20, replays: int = 50) -> float:
     return start.elapsed_time(end) * 1000 / (calls * replays)
 
 
-def _on_every_rank(target) -> object:
-    """Run `target(rank, world, init_method, results)` in one spawned process per GPU: what rank 0 puts."""
-    from hsmc.engine.ranks import _free_port
-
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [context.Process(target=target, args=(r, WORLD, init, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = results.get(timeout=600)
-    for p in procs:
-        p.join()
-    return got
-
-
 def all_reduce(report: Report) -> None:
     report.say(f"== all-reduce of R x {HIDDEN} bf16 in a CUDA graph, {WORLD} GPUs: NCCL against one-shot ==")
-    rows = _on_every_rank(_all_reduce_rank)
+    rows = on_every_rank(_all_reduce_rank, WORLD)
     for r in rows:
         push = "(NCCL: over MAX_BYTES)"
         if "push" in r:
@@ -148,7 +132,7 @@ def _control_rank(rank: int, world: int, init_method: str, results: mp.Queue) ->
 def control(report: Report) -> None:
     """What every driver turn costs on the host under TP: rank 0's message of the turn's inputs (`ControlChannel`),
     and a 1-row decode of the 0.6B shape, whose weights take ~0.3 ms to read: its step is the host's time per step."""
-    us = _on_every_rank(_control_rank)
+    us = on_every_rank(_control_rank, WORLD)
     report.say(f"broadcast of an empty turn to {WORLD - 1} follower(s): {us:.0f} us", part="control", broadcast_us=us)
     for tp in (1, WORLD):
         row = _hsmc_bench(["--shape", "qwen3-0.6b", "--batch", "1", "--new-tokens", "256", "--no-baseline",

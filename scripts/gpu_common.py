@@ -83,6 +83,24 @@ def run_parts(description: str, parts: dict[str, Callable[[Report], None]], name
         report.write()
 
 
+def on_every_rank(target: Callable[..., None], world: int) -> object:
+    """Run `target(rank, world, init_method, results)` in one spawned process per GPU: what rank 0 puts."""
+    import torch.multiprocessing as mp
+
+    from hsmc.engine.ranks import _free_port
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [context.Process(target=target, args=(r, world, init, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = results.get(timeout=600)
+    for p in procs:
+        p.join()
+    return got
+
+
 def capture(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGraph:
     """`calls` calls of fn captured in one CUDA graph (after a warm-up call on a side stream)."""
     stream = torch.cuda.Stream()
