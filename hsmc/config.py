@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hsmc.errors import ConfigError
+from hsmc.speculative.tree_verify import DRAWN_RULES
 
 T = TypeVar("T")
 LEVEL_KINDS = ("model", "eagle3", "rejection", "smc")
@@ -31,7 +32,7 @@ class TreeConfig:
     budget: int = 8  # drafts verified per round (the best by cumulative draft log-probability)
 
 
-TREE_RULES = ("target_only", "draft_aware")
+TREE_RULES = ("target_only", *DRAWN_RULES)
 AUTO_MOST_DRAFTS = 8  # num_draft_tokens: auto chooses each round's γ in 0..8
 # tree: auto chooses each round's draft among chains and these trees (the shapes scripts/tree_acceptance.py measures)
 AUTO_TREES = (TreeConfig(3, 2, 4), TreeConfig(4, 3, 8), TreeConfig(5, 4, 16), TreeConfig(6, 6, 32))
@@ -51,7 +52,7 @@ class LevelConfig:
     # rejection: draft trees of this shape instead of chains (see docs/design.md), or "auto": each round a chain of up
     # to num_draft_tokens drafts (none included) or one of AUTO_TREES, chosen as num_draft_tokens: auto chooses γ
     tree: TreeConfig | str | None = None
-    tree_rule: str = "target_only"  # rejection with a tree: target_only | draft_aware
+    tree_rule: str = "target_only"  # rejection with a tree: target_only | draft_aware | traversal
     particles: int = 4  # smc: N
     block_size: int = 4  # smc: K proposal tokens per cycle (0 = target-only sampling)
     alpha: float = 1.0  # smc: target is p_T^alpha
@@ -347,10 +348,10 @@ def _tree_problems(tree: TreeConfig, rule: str, below: LevelConfig | None, key: 
         yield f"{key}.tree_rule", f"={rule!r} is not one of {', '.join(TREE_RULES)}"
     if below is not None and below.kind not in ("model", "eagle3"):
         yield f"{key}.tree", f": trees are drafted by a 'model' or 'eagle3' level, not by {below.kind!r}"
-    if below is not None and rule == "draft_aware" and below.temperature <= 0:
+    if below is not None and rule in DRAWN_RULES and below.temperature <= 0:
         yield (
             f"{key}.tree_rule",
-            "='draft_aware' draws children without replacement from the drafter's law: the level below needs "
+            f"={rule!r} draws children without replacement from the drafter's law: the level below needs "
             f"temperature > 0, got {below.temperature}",
         )
 

@@ -1,13 +1,13 @@
-"""Accepted length per verify of a chain and of draft trees (target_only, draft_aware) at the same budget.
+"""Accepted length per verify of a chain and of draft trees (target_only, draft_aware, traversal) at one budget.
 
     python scripts/tree_acceptance.py [--questions 50] [--budgets 8 16 32] [--temperatures 0 1]
 
 [eagle3 head, rejection SmolLM2] on the first GSM8K test questions (the shipped head and the offline SmolLM2 of
 configs/demo.yaml): each row verifies `budget` drafts per round — a chain of γ = budget, or a tree of that budget
-(depth and top-k from SHAPES). draft_aware draws its children from the head's law, so its head needs T > 0 (1 at
-T = 0, where a greedy verifier makes it draft the top-k as target_only does). Prints one row per (T, budget,
-drafting): mean accepted length per verify (tokens emitted per round) and tokens/s on this machine. Any head
-temperature keeps draft_aware exact (children are drawn from the law they are verified against):
+(depth and top-k from SHAPES). draft_aware and traversal draw their children from the head's law, so their head
+needs T > 0 (1 at T = 0, where a greedy verifier makes them draft the top-k as target_only does). Prints one row
+per (T, budget, drafting): mean accepted length per verify (tokens emitted per round) and tokens/s on this machine.
+Any head temperature keeps draft_aware exact (children are drawn from the law they are verified against):
 --draft-aware-temperature tries a sharper one. --self-draft-layers N drafts with a `model` level instead: the
 verifier's first N layers (its own KV, a full language model's law at every depth of the tree).
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.speculative.tree_verify import DRAWN_RULES
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_TEST = ROOT / "evals" / "data" / "gsm8k_test.jsonl"
@@ -42,7 +43,7 @@ def drafting(
         return temperature, {"num_draft_tokens": budget}
     depth, topk = shapes[budget]
     head_t = temperature
-    if kind == "draft_aware":
+    if kind in DRAWN_RULES:
         head_t = aware_t if aware_t is not None else (temperature or 1.0)
     return head_t, {"tree": {"depth": depth, "topk": topk, "budget": budget}, "tree_rule": kind}
 
@@ -76,7 +77,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32], choices=sorted(SHAPES))
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--kinds", nargs="+", default=["chain", "target_only", "draft_aware"])
+    parser.add_argument("--kinds", nargs="+", default=["chain", "target_only", "draft_aware", "traversal"])
     parser.add_argument("--draft-aware-temperature", type=float, help="the head's temperature for draft_aware")
     parser.add_argument("--tree-shape", type=int, nargs=2, metavar=("DEPTH", "TOPK"), help="every budget's tree")
     args = parser.parse_args()

@@ -35,7 +35,7 @@ def target(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("tree") / "target", seed=2)
 
 
-@pytest.mark.parametrize("rule,draft_t", [("target_only", 0.0), ("draft_aware", 1.0)])
+@pytest.mark.parametrize("rule,draft_t", [("target_only", 0.0), ("draft_aware", 1.0), ("traversal", 1.0)])
 def test_tree_at_temperature_zero_equals_verifier_greedy(target, rule, draft_t):
     decoder = _tree_stack(target, target, draft_t, 0.0, rule, depth=4, topk=2, budget=8, draft_layers=3)
     assert_greedy_as_target_with_partial_acceptance(decoder, target, _hf_greedy)
@@ -79,7 +79,7 @@ def small_vocab(tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("rule", ["draft_aware"])  # target_only: at the rule level (test_tree_verify.py)
+@pytest.mark.parametrize("rule", ["draft_aware", "traversal"])  # target_only: at the rule level (test_tree_verify.py)
 def test_tree_stack_is_lossless_in_distribution(small_vocab, rule):
     draft, target = small_vocab
     prompt, n_samples = [1, 4, 2], 20_000
@@ -259,7 +259,9 @@ def test_draft_aware_keeps_every_child_drawn_from_the_verifiers_own_law(target):
     assert accepted["target_only"] < 2.0
 
 
-@pytest.mark.parametrize("kind,rule", [("model", "target_only"), ("model", "draft_aware"), ("eagle3", "draft_aware")])
+@pytest.mark.parametrize(
+    "kind,rule", [("model", "target_only"), ("model", "draft_aware"), ("eagle3", "draft_aware"), ("model", "traversal")]
+)
 def test_graphed_tree_rounds_decode_as_eager_ones(target, eagle, kind, rule, monkeypatch):
     """A tree round is one graph per shape on CUDA (captures emulated here: the graph's replay runs the round
     again with its inputs copied in and its host ints moved by the amounts its first run measured). A seeded T = 1

@@ -50,7 +50,7 @@ from hsmc.levels.draft_length import DraftLength
 from hsmc.levels.tree import TreeShape, ancestors, path
 from hsmc.models.size import weight_bytes
 from hsmc.ops.counter_hash import combine, uniform
-from hsmc.speculative.tree_verify import verify_tree
+from hsmc.speculative.tree_verify import DRAWN_RULES, verify_tree, verify_tree_traversal
 
 
 class RejectionLevel:
@@ -352,11 +352,11 @@ class RejectionLevel:
         the walk of `tree_rule`, and the accepted path's KV moved to the front of the tree's block (the rest
         rolled back, its slots freed). Its distributions are those along the accepted path."""
         shape = self.tree
-        draft_aware = self.tree_rule == "draft_aware"
+        drawn = self.tree_rule in DRAWN_RULES
         law = self.laws.at(rows)
         # a greedy verifier keeps only its argmax, which the top-k of q holds more often than children drawn from q;
-        # either rule is exact for any children under a one-hot p'
-        tree = self.drafter.propose_tree(rows, shape, sampled=draft_aware and not law.greedy)
+        # every rule is exact for any children under a one-hot p'
+        tree = self.drafter.propose_tree(rows, shape, sampled=drawn and not law.greedy)
         base = self.state.seq_len[rows]  # the first draft's position
         start = base - 1  # the root's column in the verifier's KV
         seen = ancestors(tree, shape.depth)
@@ -364,7 +364,10 @@ class RejectionLevel:
         logp = law.log_probs(logits.float())  # [R, N, V]
         nodes = torch.arange(tree.size, device=rows.device)
         u = uniform(combine(self.streams.keys(rows, self.accept_purpose, start[:, None] + tree.depth), nodes)).float()
-        node, residual = verify_tree(tree.parent, tree.tokens, logp.exp(), tree.logq.exp() if draft_aware else None, u)
+        if self.tree_rule == "traversal":
+            node, residual = verify_tree_traversal(tree.parent, tree.tokens, logp.exp(), tree.logq.exp(), u)
+        else:
+            node, residual = verify_tree(tree.parent, tree.tokens, logp.exp(), tree.logq.exp() if drawn else None, u)
         accepted = tree.depth.gather(1, node[:, None])[:, 0]
         ones, no_floor = torch.ones_like(u[:, 0]), torch.full_like(u[:, 0], float("-inf"))
         keys = self.streams.keys(rows, self.residual_purpose, base + accepted)

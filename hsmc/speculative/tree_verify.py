@@ -1,4 +1,4 @@
-"""The exact verification of a draft tree (docs/design.md, "Tree drafting"): one walk, two rules.
+"""The exact verification of a draft tree (docs/design.md, "Tree drafting"): three rules.
 
 A row's tree has N nodes: node 0 is the root (the row's last token, already verified), nodes 1..N-1 are drafts,
 each after its parent (`parent[n] < n`) and siblings in the order they were drafted. `p[:, n]` is the verifier's
@@ -12,16 +12,20 @@ the residual r = p_root and tests the current node's children in order:
   none) the token after the current node is drawn from r.
 
 `draft_aware` passes q: recursive rejection sampling without replacement (Jeon et al. 2024, "Recursive
-Speculative Decoding"; SpecTr, Sun et al. 2023). `target_only` passes q = None: children are the drafter's
-deterministic top-k, so q_i is one-hot at x_i and the rule keeps x with probability r(x) and otherwise zeroes it
-in r — the rule of EAGLE-2 and SGLang. A chain is the tree where every node has one child. The emitted tokens are
-exactly distributed as p at any temperature; a greedy verifier (one-hot p) keeps the children equal to its
-argmax, so the output is its greedy decode.
+Speculative Decoding"; SpecTr, Sun et al. 2023). `traversal` (`verify_tree_traversal`) verifies the same trees
+leaf to root with sequence-level acceptance (Weng et al. 2025, "Traversal Verification"): a child whose ratio
+p/q exceeds 1 makes up for an ancestor whose ratio fell short, so more of a drawn tree is kept. `target_only`
+passes q = None: children are the drafter's deterministic top-k, so q_i is one-hot at x_i and the rule keeps x
+with probability r(x) and otherwise zeroes it in r — the rule of EAGLE-2 and SGLang. A chain is the tree where
+every node has one child. The emitted tokens are exactly distributed as p at any temperature; a greedy verifier
+(one-hot p) keeps the children equal to its argmax, so the output is its greedy decode.
 """
 
 from __future__ import annotations
 
 import torch
+
+DRAWN_RULES = ("draft_aware", "traversal")  # the rules whose children are drawn without replacement from q
 
 
 def verify_tree(
@@ -59,3 +63,57 @@ def verify_tree(
         r = torch.where(kept[:, None], p[:, n].float(), r)
         cur = torch.where(kept, n, cur)
     return cur, r
+
+
+def verify_tree_traversal(
+    parent: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_tree`'s result for trees whose children were drawn without replacement from q, by traversal
+    verification: depth first, a node is entered with the weight a = min(1, a_parent · r_parent(x) / q_i(x)); a
+    node without untried children is kept (with its path) with probability a, the next token drawn from its r;
+    otherwise it leaves its parent's q and the parent's (a, r) become the residual of (a · r, stop 1 − a) against
+    q_i: r ← norm(max(a·r − q_i, 0)), a ← R / (R + 1 − a) with R the residual's mass. That is recursive rejection
+    sampling over the tokens and a "stop" symbol at every node (docs/design.md, "Tree drafting"); on a chain it is
+    block verification. Every row runs the same 3N − 2 steps (enter, skip or decide): no host read."""
+    rows, n_nodes = tokens.shape
+    index = torch.arange(rows, device=tokens.device)
+    weight = torch.ones(rows, n_nodes, device=p.device)
+    r = p.float().clone()  # each node's law of the token after it, a residual once a child was rejected
+    mass = q.float().clone()  # what each node's q has left (unnormalised)
+    tried = torch.zeros(rows, n_nodes, dtype=torch.bool, device=tokens.device)
+    tried[:, 0] = True
+    cur = torch.zeros(rows, dtype=torch.int64, device=tokens.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=tokens.device)
+    for _ in range(3 * n_nodes - 2):
+        untried = (parent == cur[:, None]) & ~tried
+        has_child = untried.any(-1)
+        child = untried.to(torch.int8).argmax(-1)  # the first untried child, in draw order
+        x = torch.where(has_child, tokens[index, child], 0)
+        q_i = _normalised(mass[index, cur])
+        q_x = q_i[index, x]
+        a = weight[index, cur]
+        step_in = ~done & has_child
+        enter = step_in & (q_x > 0)  # no mass left under q_i: the drafter ran out of tokens, x was not drawn
+        entered = (a * r[index, cur, x] / q_x.clamp_min(1e-30)).clamp_max(1.0)
+        weight[index, child] = torch.where(enter, entered, weight[index, child])
+        tried[index, child] = tried[index, child] | step_in
+        decide = ~done & ~has_child
+        kept = decide & (u[index, cur] < a)  # the root has weight 1: kept once its children are tried
+        rejected = decide & ~kept
+        done = done | kept
+        # a rejected node leaves its parent's q; the parent's (weight, r) become the residual
+        up = parent[index, cur]
+        token = torch.where(cur > 0, tokens[index, cur], 0)
+        a_up, r_up, mass_up = weight[index, up], r[index, up], mass[index, up]
+        left = (a_up[:, None] * r_up - _normalised(mass_up)).clamp_min(0)
+        total = left.sum(-1)
+        stop = 1 - a_up
+        r[index, up] = torch.where((rejected & (total > 0))[:, None], left / total.clamp_min(1e-30)[:, None], r_up)
+        weight[index, up] = torch.where(rejected & (total + stop > 0), total / (total + stop).clamp_min(1e-30), a_up)
+        mass[index, up] = torch.where(rejected[:, None], mass_up.scatter(1, token[:, None], 0.0), mass_up)
+        cur = torch.where(enter, child, torch.where(rejected, up, cur))
+    return cur, r[index, cur]
+
+
+def _normalised(mass: torch.Tensor) -> torch.Tensor:
+    return mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
