@@ -92,7 +92,7 @@ def test_tree_stack_is_lossless_in_distribution(small_vocab, rule):
     assert_pools_empty(decoder)
 
 
-@pytest.mark.parametrize("rule", ["target_only", "draft_aware"])
+@pytest.mark.parametrize("rule", ["target_only", "draft_aware", "traversal"])
 def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
     """After every round of random trees and acceptances: the pool's invariants hold, each row's verifier KV is
     exactly its sequence but the pending token (the rejected branches' slots are free), and the verifier's KV
@@ -142,7 +142,8 @@ def test_random_trees_keep_only_the_accepted_paths_kv(small_vocab, rule):
     assert tables.allocator.num_free() == tables.allocator.num_slots
 
 
-def test_tree_level_under_smc_hands_up_its_own_model_probabilities(small_vocab):
+@pytest.mark.parametrize("rule", ["draft_aware", "traversal"])
+def test_tree_level_under_smc_hands_up_its_own_model_probabilities(small_vocab, rule):
     """[model, tree rejection, smc] with the smc target equal to the rejection level's model and α = 1: the
     proposal is the target itself, so every weight is zero — the log-probabilities handed up along the accepted
     paths are the verifier's own (the SMC proposal law is unchanged by the tree)."""
@@ -156,7 +157,7 @@ def test_tree_level_under_smc_hands_up_its_own_model_probabilities(small_vocab):
                     "model": str(target),
                     "temperature": 1.0,
                     "tree": {"depth": 3, "topk": 2, "budget": 5},
-                    "tree_rule": "draft_aware",
+                    "tree_rule": rule,
                 },
                 {"kind": "smc", "model": str(target), "temperature": 1.0, "particles": 4, "block_size": 3},
             ],
