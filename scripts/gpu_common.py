@@ -87,11 +87,11 @@ def on_every_rank(target: Callable[..., None], world: int) -> object:
     """Run `target(rank, world, init_method, results)` in one spawned process per GPU: what rank 0 puts."""
     import torch.multiprocessing as mp
 
-    from hsmc.engine.ranks import _free_port
+    from hsmc.engine.ranks import local_init_method
 
     context = mp.get_context("spawn")
     results = context.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = local_init_method()
     procs = [context.Process(target=target, args=(r, world, init, results)) for r in range(world)]
     for p in procs:
         p.start()

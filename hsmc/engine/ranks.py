@@ -186,7 +186,7 @@ def start_ranks(world_size: int, device: str, follow: Callable[..., None], args:
                 f"engine.tensor_parallel={world_size} but torchrun started {os.environ['WORLD_SIZE']} processes"
             )
         return join(int(os.environ["RANK"]), world_size, "env://", device)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = local_init_method()
     context = mp.get_context("spawn")
     followers = [
         context.Process(target=follow, args=(rank, world_size, init_method, device, *args), daemon=True)
@@ -239,7 +239,8 @@ def _symmetric_all_reduce(device: torch.device, control: Any) -> SymmetricAllRed
     return symmetric if everywhere.item() else None
 
 
-def _free_port() -> int:
+def local_init_method() -> str:
+    """A torch.distributed init method for ranks of this host: TCP on a free local port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"

@@ -47,7 +47,7 @@ def verify_tree(
         if mass is None:
             q_i = torch.nn.functional.one_hot(x, r.shape[-1]).to(r.dtype)
         else:
-            q_i = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+            q_i = _normalised(mass)
         q_x = q_i[index, x]
         r_x = r[index, x]
         tested = (parent[:, n] == cur) & (q_x > 0)

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 # fixtures: stacks, and exact_float32 (autouse: TF32 off)
 from test_stacks_on_cuda import ENGINE, PROMPTS, decoder, exact_float32, stacks, without_syncs  # noqa: F401
 
-from hsmc.engine.ranks import _free_port, join
+from hsmc.engine.ranks import join, local_init_method
 
 pytestmark = [
     pytest.mark.gpu,
@@ -132,7 +132,7 @@ def test_all_reduces_back_to_back_in_a_graph_give_every_rank_the_exact_sum(dtype
     from call to call, so a rank that overwrote it before a peer had read it would show here as a wrong sum."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = local_init_method()
     procs = [context.Process(target=_all_reduce_back_to_back, args=(r, 2, init, dtype, results)) for r in range(2)]
     for p in procs:
         p.start()
