@@ -18,8 +18,12 @@ tree-verify  issue 32: the 8B's verify over a draft tree's budget + 1 tokens (tr
              a chain of as many, at 1, 4 and 8 rows, against the weight read; then the cost model's tok/s of [EAGLE3
              head -> 8B] and of the hierarchical stack [EAGLE3 head -> 8B -> 32B SMC, N = 8, K = 8] with a tree and
              with a chain of the same budget at the SmolLM2 head's measured acceptance.
+tree-walk    issue 32: the walk of each tree rule over the Qwen3 vocabulary at 1 and 4 rows and budgets 8..64 (graph
+             replays), torch (`hsmc.speculative.tree_verify`) and kernels (`hsmc.ops.tree_walk`), against the 8B's
+             tree verify of the same size.
 
-    python scripts/bench_forwards.py [--parts verify,prefill,capture,profile,profile-smc,profile-tp,vocab,tree-verify]
+    python scripts/bench_forwards.py [--parts verify,prefill,capture,profile,profile-smc,profile-tp,vocab,tree-verify,
+        tree-walk]
         [--out DIR]
 
 Decode tok/s against transformers and the roofline: `hsmc bench --shape qwen3-8b,qwen3-32b [--dtype fp8]`.
@@ -378,17 +382,19 @@ SMOLLM2_ACCEPTED = {8: (1.47, 1.57), 16: (1.47, 1.74), 32: (1.47, 1.78)}
 SMC_PARTICLES, SMC_BLOCK = 8, 8  # the hierarchical stack's SMC level: N particles (the 8B's rows), K tokens a cycle
 
 
-def random_tree(budget: int, depth: int, rows_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_tree(budget: int, depth: int, rows_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A root and `budget` nodes, each under a random earlier node of depth < `depth`: (depth [R, N], seen [R, N, N],
-    each node's ancestors and itself), the same tree in every row."""
+    each node's ancestors and itself, parent [R, N]), the same tree in every row."""
     g = torch.Generator().manual_seed(budget)
-    levels, seen = [0], torch.eye(budget + 1, dtype=torch.bool)
+    levels, parents, seen = [0], [0], torch.eye(budget + 1, dtype=torch.bool)
     for node in range(1, budget + 1):
         open_ = [n for n in range(node) if levels[n] < depth]
         parent = open_[int(torch.randint(len(open_), (1,), generator=g))]
         levels.append(levels[parent] + 1)
+        parents.append(parent)
         seen[node] |= seen[parent]
-    as_rows = (torch.tensor(levels)[None].expand(rows_n, -1), seen[None].expand(rows_n, -1, -1))
+    as_rows = (torch.tensor(levels)[None].expand(rows_n, -1), seen[None].expand(rows_n, -1, -1),
+               torch.tensor(parents)[None].expand(rows_n, -1))  # fmt: skip
     return tuple(t.contiguous().cuda() for t in as_rows)
 
 
@@ -407,7 +413,7 @@ def verify_times(report: Report, rows_n: int, context: int) -> dict[tuple[int, b
         for budget, (depth, _) in TREES.items():
             n = budget + 1
             tokens, count = torch.randint(0, 1000, (rows_n, n), device="cuda"), torch.full_like(rows, n)
-            levels, seen = random_tree(budget, depth, rows_n)
+            levels, seen, _ = random_tree(budget, depth, rows_n)
 
             def step(tree: bool, tokens=tokens, count=count, n=n, levels=levels, seen=seen) -> None:
                 batch = runner.new_tokens(rows, tokens, count, context + n)  # rolled back after each verify
@@ -493,8 +499,50 @@ def tree_verify(report: Report) -> None:
                    **{f"{k}_tok_s": v for k, v in tok_s.items()})  # fmt: skip
 
 
+def tree_walk(report: Report) -> None:
+    from hsmc.ops.tree_walk import tree_walk as walk_kernels
+    from hsmc.speculative.tree_verify import verify_tree, verify_tree_traversal
+
+    vocab_size = hf_config("qwen3-8b").vocab_size
+    report.say(
+        f"== the walk of each tree rule over {vocab_size} tokens (float32 p and q), graph replays: the torch walk "
+        "(the reference) and the kernels (hsmc.ops.tree_walk), against the 8B's tree verify =="
+    )
+    for rows_n in (1, 4):
+        verify_ms = verify_times(report, rows_n, 256)
+        gc.collect()
+        torch.cuda.empty_cache()
+        for budget, (depth, _) in TREES.items():
+            n = budget + 1
+            _, _, parent = random_tree(budget, depth, rows_n)
+            children = int(torch.bincount(parent[0, 1:]).max())
+            tokens = torch.randint(0, vocab_size, (rows_n, n), device="cuda")
+            p = torch.randn(rows_n, n, vocab_size, device="cuda").softmax(-1)
+            q = (2 * torch.randn(rows_n, n, vocab_size, device="cuda")).softmax(-1)
+            u = torch.rand(rows_n, n, device="cuda")
+            tree_ms = verify_ms[budget, True]
+            for rule in ("target_only", "draft_aware", "traversal"):
+                drafter = None if rule == "target_only" else q
+                torch_walk = verify_tree_traversal if rule == "traversal" else verify_tree
+                times = {}
+                for name, walk in (
+                    ("torch", functools.partial(torch_walk, parent, tokens, p, drafter, u)),
+                    ("kernels", functools.partial(walk_kernels, rule, parent, tokens, p, drafter, u, children)),
+                ):
+                    walk()
+                    times[name] = triton.testing.do_bench_cudagraph(walk)
+                report.say(f"  {rows_n} x {n:>2} nodes, {rule:>11}: torch {times['torch']:7.3f} ms "
+                           f"({times['torch'] / tree_ms:.2f}x the verify {tree_ms:.3f} ms), kernels "
+                           f"{times['kernels']:.3f} ms ({times['kernels'] / tree_ms:.3f}x; "
+                           f"{times['torch'] / times['kernels']:.0f}x faster)", part="tree-walk", rows=rows_n,
+                           budget=budget, rule=rule, tree_verify_ms=tree_ms, **times)  # fmt: skip
+            del p, q
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     parts = {"verify": verify, "prefill": prefill, "capture": capture, "profile": profile, "profile-smc": profile_smc,
              "profile-fp8": profile_fp8, "profile-tp": profile_tp, "vocab": vocab,
-             "tree-verify": tree_verify}  # fmt: skip
+             "tree-verify": tree_verify, "tree-walk": tree_walk}  # fmt: skip
     run_parts(__doc__.split("\n\n")[0], parts, "bench_forwards")

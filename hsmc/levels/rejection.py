@@ -50,7 +50,7 @@ from hsmc.levels.draft_length import DraftLength
 from hsmc.levels.tree import TreeShape, ancestors, path
 from hsmc.models.size import weight_bytes
 from hsmc.ops.counter_hash import combine, uniform
-from hsmc.speculative.tree_verify import DRAWN_RULES, verify_tree, verify_tree_traversal
+from hsmc.speculative.tree_verify import DRAWN_RULES
 
 
 class RejectionLevel:
@@ -364,10 +364,10 @@ class RejectionLevel:
         logp = law.log_probs(logits.float())  # [R, N, V]
         nodes = torch.arange(tree.size, device=rows.device)
         u = uniform(combine(self.streams.keys(rows, self.accept_purpose, start[:, None] + tree.depth), nodes)).float()
-        if self.tree_rule == "traversal":
-            node, residual = verify_tree_traversal(tree.parent, tree.tokens, logp.exp(), tree.logq.exp(), u)
-        else:
-            node, residual = verify_tree(tree.parent, tree.tokens, logp.exp(), tree.logq.exp() if drawn else None, u)
+        q = tree.logq.exp() if drawn else None
+        node, residual = self.laws.backend.tree_walk(
+            self.tree_rule, tree.parent, tree.tokens, logp.exp(), q, u, max_children=shape.topk
+        )
         accepted = tree.depth.gather(1, node[:, None])[:, 0]
         ones, no_floor = torch.ones_like(u[:, 0]), torch.full_like(u[:, 0], float("-inf"))
         keys = self.streams.keys(rows, self.residual_purpose, base + accepted)

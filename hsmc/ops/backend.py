@@ -29,6 +29,7 @@ from torch import nn
 from hsmc.ops.batch import ForwardBatch, padded_columns
 from hsmc.ops.counter_hash import gumbel, keys_of_draws
 from hsmc.ops.kv_cache import KVCache
+from hsmc.speculative.tree_verify import verify_tree, verify_tree_traversal
 
 if TYPE_CHECKING:
     from hsmc.engine.kv_pool import BlockTables
@@ -155,6 +156,21 @@ class Backend(Protocol):
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         """float64 [R]: logsumexp of logits[r, v] · scale[r] (float64) over the v with logits[r, v] >= floor[r],
         in float64 (the SMC weights' precision); -inf for a row with nothing kept."""
+        ...
+
+    def tree_walk(
+        self,
+        rule: str,
+        parent: torch.Tensor,
+        tokens: torch.Tensor,
+        p: torch.Tensor,
+        q: torch.Tensor | None,
+        u: torch.Tensor,
+        max_children: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The walk of tree rule `rule` over draft trees (`hsmc.speculative.tree_verify`): the node each row stops
+        at [R] and the normalised law of the token after it [R, V]; no node has more than `max_children`
+        children."""
         ...
 
 
@@ -309,6 +325,20 @@ class TorchBackend:
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         kept = logits.float() >= floor[:, None]
         return torch.logsumexp(torch.where(kept, logits.double() * scale[:, None], float("-inf")), -1)
+
+    def tree_walk(
+        self,
+        rule: str,
+        parent: torch.Tensor,
+        tokens: torch.Tensor,
+        p: torch.Tensor,
+        q: torch.Tensor | None,
+        u: torch.Tensor,
+        max_children: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if rule == "traversal":
+            return verify_tree_traversal(parent, tokens, p, q, u)
+        return verify_tree(parent, tokens, p, q, u)
 
 
 def sequence_window(

@@ -31,6 +31,7 @@ from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_activations
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.linear_router import Kernel, Route, router_for
 from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
+from hsmc.ops.tree_walk import tree_walk
 
 if TYPE_CHECKING:
     from hsmc.engine.kv_pool import BlockTables
@@ -152,6 +153,18 @@ class TritonBackend:
 
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         return vocab.logsumexp_rows(logits, scale.double(), floor.float())
+
+    def tree_walk(
+        self,
+        rule: str,
+        parent: torch.Tensor,
+        tokens: torch.Tensor,
+        p: torch.Tensor,
+        q: torch.Tensor | None,
+        u: torch.Tensor,
+        max_children: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return tree_walk(rule, parent, tokens, p, q, u, max_children)
 
 
 def _plan(x: torch.Tensor, linear: nn.Module, norm_fed: bool = False) -> Route:

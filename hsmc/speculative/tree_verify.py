@@ -19,6 +19,9 @@ passes q = None: children are the drafter's deterministic top-k, so q_i is one-h
 with probability r(x) and otherwise zeroes it in r — the rule of EAGLE-2 and SGLang. A chain is the tree where
 every node has one child. The emitted tokens are exactly distributed as p at any temperature; a greedy verifier
 (one-hot p) keeps the children equal to its argmax, so the output is its greedy decode.
+
+These walks step child by child and are the reference (`TorchBackend.tree_walk`); on a GPU the same walks run in a
+few kernels over a closed form of the residual (`hsmc.ops.tree_walk`, `TritonBackend.tree_walk`).
 """
 
 from __future__ import annotations

@@ -158,3 +158,28 @@ def test_slot_bookkeeping_over_a_pool_of_many_chunks():
     for name in ("table", "length"):
         assert torch.equal(getattr(tables[0], name), getattr(tables[1], name))
     assert torch.equal(tables[0].allocator.refcount, tables[1].allocator.refcount)
+
+
+@pytest.mark.parametrize("rule", ["target_only", "draft_aware", "traversal"])
+def test_tree_walk_over_the_qwen3_vocabulary_matches_the_reference(rule):
+    """The tree walk's kernels (`hsmc.ops.tree_walk`) against the torch walks on 4 rows of a 33-node tree (root with
+    6 children, each node with up to 6) over 151,936 tokens: the same stopping node and residual law."""
+    from hsmc.ops.tree_walk import tree_walk
+    from hsmc.speculative.tree_verify import verify_tree, verify_tree_traversal
+
+    rows, n, vocab, topk = 4, 33, 151_936, 6
+    g = torch.Generator(device="cuda").manual_seed(0)
+    parent = torch.tensor([0] + [(i - 1) // topk for i in range(1, n)], device="cuda").expand(rows, -1).contiguous()
+    q = (3 * torch.randn(rows, n, vocab, device="cuda", generator=g)).softmax(-1)
+    p = (0.5 * q.log() + 2 * torch.randn(rows, n, vocab, device="cuda", generator=g)).softmax(-1)
+    # children drawn without replacement from their parent's q (Gumbel-top-k)
+    noise = -torch.log(-torch.log(torch.rand(rows, n, vocab, device="cuda", generator=g).clamp_min(1e-12)))
+    drawn = (q.log() + noise).topk(topk, -1).indices  # [R, N, topk]
+    rank = torch.tensor([0] + [(i - 1) % topk for i in range(1, n)], device="cuda")
+    tokens = drawn[torch.arange(rows, device="cuda")[:, None], parent, rank.expand(rows, -1)]
+    u = torch.rand(rows, n, device="cuda", generator=g)
+    drafter = None if rule == "target_only" else q
+    want = (verify_tree_traversal if rule == "traversal" else verify_tree)(parent, tokens, p, drafter, u)
+    node, residual = tree_walk(rule, parent, tokens, p, drafter, u, max_children=topk)
+    assert node.tolist() == want[0].tolist()
+    torch.testing.assert_close(residual, want[1], atol=1e-7, rtol=1e-4)

@@ -21,7 +21,7 @@ from hsmc.requests import SamplingParams
 
 PROMPTS = [[3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2], [11, 12]]
 ENGINE = {"kv_capacity_tokens": 4096, "max_batch_rows": 32}
-GREEDY_KINDS = ("model", "rejection", "eagle3", "tree", "eagle3-tree")  # an smc top has no greedy law
+GREEDY_KINDS = ("model", "rejection", "eagle3", "tree", "eagle3-tree", "eagle3-traversal")  # smc has no greedy law
 TREE = {"depth": 4, "topk": 2, "budget": 8}
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -40,6 +40,8 @@ def stacks(tmp_path_factory):
         "tree": [{"model": small}, {"kind": "rejection", "model": big, "tree": TREE}],
         "eagle3-tree": [{"kind": "eagle3", "model": head, "temperature": 1.0},
                         {"kind": "rejection", "model": big, "tree": TREE, "tree_rule": "draft_aware"}],
+        "eagle3-traversal": [{"kind": "eagle3", "model": head, "temperature": 1.0},
+                             {"kind": "rejection", "model": big, "tree": TREE, "tree_rule": "traversal"}],
         "smc": [{"model": small, "temperature": 1.0},
                 {"kind": "smc", "model": big, "temperature": 1.0, "particles": 4, "block_size": 3}],
         "hierarchical": [{"kind": "eagle3", "model": head, "temperature": 1.0},
@@ -167,7 +169,7 @@ def test_auto_rounds_of_any_gamma_at_t1_decode_the_same_graphed_as_eager(stacks,
     assert_pools_empty(graphed)
 
 
-@pytest.mark.parametrize("kind", ["model", "rejection", "eagle3", "tree", "eagle3-tree", "smc", "hierarchical"])
+@pytest.mark.parametrize("kind", [*GREEDY_KINDS, "smc", "hierarchical"])
 def test_seeded_request_is_the_same_graphed_eager_alone_and_amid_others(stacks, kind):
     mine = SamplingParams(seed=42, max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95)
     others = [SamplingParams(seed=s, max_tokens=m, ignore_eos=True) for s, m in ((1, 5), (2, 31), (3, 12))]
