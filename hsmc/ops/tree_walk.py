@@ -4,7 +4,7 @@ reference) in a few kernels instead of hundreds.
 The reference tests one child per step over whole-vocabulary tensors: for a 33-node tree over Qwen3's 151,936 tokens
 its walk took 1.7 ms (draft_aware) and 15 ms (traversal) on an H200, against 5.9 ms for the verify forward itself
 (docs/measurements/2026-11-30-h200-tree-walk.txt). But the residual at a node after its first t children were tried
-has a closed form: with the node's entry weight w (1 but under traversal), ρ_t = max(w·p − T_t·q, 0) except at the
+has a closed form: with the node's entry weight w (1 except under traversal), ρ_t = max(w·p − T_t·q, 0) except at the
 tried children's tokens, which keep the value they had when that child was rejected; Z_t = Σ ρ_t; r_t = ρ_t / Z_t.
 Rejecting child t + 1 (token x, q's mass c_t left) sets T_{t+1} = T_t + M_t / c_t and c_{t+1} = c_t − q(x), with
 M_t = Z_t (draft_aware) or Z_t + 1 − w (traversal: its "stop" mass). None of this depends on the uniforms, so:
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_BLOCKS = 32  # vocabulary blocks per node in a pass (Qwen3's 151,936 entries: 32 of 4,864)
+MAX_BLOCKS = 32  # vocabulary blocks per node in a pass (Qwen3's 151,936 entries: 30 blocks of 5,120)
 BLOCK_V = 1024
 TINY = tl.constexpr(1e-30)
 
