@@ -44,7 +44,7 @@ HEAD = ROOT / "assets" / "eagle3-smollm2-135m-instruct"
 
 
 def _gamma(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+    return text if text == "auto" or text.startswith("tree") else int(text)
 
 
 def _levels(drafter: str | None, gamma: int | str, temperature: float, dtype: str) -> list[dict]:
@@ -90,7 +90,9 @@ def main() -> None:
     parser.add_argument(
         "--warmup", action="store_true", help="engine.warmup: capture every shape's graph before the first pass"
     )
-    parser.add_argument("--explain", nargs="*", type=_gamma, help="where a round of each γ (or auto) goes (see above)")
+    parser.add_argument(
+        "--explain", nargs="*", type=_gamma, help="where a round of each γ (auto; treeI: tree I of tree: auto) goes"
+    )
     args = parser.parse_args()
     questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.questions]]
     if args.device == "cuda":
@@ -194,13 +196,16 @@ def _explain(args: argparse.Namespace, question: str, device: str, gammas: list[
 def _forced(
     drafter: str | None, gamma: int | str, temperature: float, args: argparse.Namespace, question: str
 ) -> HierarchicalDecoder:
-    """The target alone, or a drafter's auto taking γ every round (left to choose if γ is `auto`); warmed up."""
-    levels = _levels(drafter, "auto" if drafter is not None else 0, temperature, args.dtype)
+    """The target alone, or a drafter's auto taking γ every round (left to choose if γ is `auto`; `treeI`: the I-th
+    tree of `tree: auto`, counted from 1); warmed up."""
+    tree = isinstance(gamma, str) and gamma.startswith("tree")
+    levels = _levels(drafter, ("tree-auto" if tree else "auto") if drafter is not None else 0, temperature, args.dtype)
     decoder = HierarchicalDecoder.from_config(
         {"levels": levels, "engine": {"max_batch_rows": 1, "device": args.device}}
     )
     if drafter is not None and gamma != "auto":
-        decoder.stack.top.draft_length.forced = gamma
+        choice = decoder.stack.top.draft_length
+        choice.forced = choice.most + int(gamma[4:]) if tree else gamma  # treeI: the I-th of AUTO_TREES
     _pass(decoder, [question], args.new_tokens)
     return decoder
 

@@ -10,6 +10,7 @@ from helpers import assert_greedy_as_target_with_partial_acceptance, assert_pool
 from test_rejection import VOCAB, _chi2_pvalue, _exact_first_tokens, _hf_greedy
 
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.levels.tree import Tree, ancestors
 
 
 def _tree_stack(draft, target, draft_t, target_t, rule, depth=4, topk=2, budget=8, draft_layers=None, **engine):
@@ -294,3 +295,27 @@ def test_graphed_tree_rounds_decode_as_eager_ones(target, eagle, kind, rule, mon
     assert graphed == eager
     assert decoder.stack.top.rounds.replays > 0
     assert_pools_empty(decoder)
+
+
+def test_ancestors_are_each_nodes_path_to_the_root_for_any_depth_bound():
+    """`ancestors` (pointer doubling) against walking each node's parents: the same matrix for trees of every depth,
+    with the bound the rejection level gives (the depth) and the one a drafter gives while growing (the node count)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        rows, n = 2, int(torch.randint(1, 40, (1,), generator=g))
+        parent = torch.zeros(rows, n, dtype=torch.int64)
+        for node in range(1, n):
+            parent[:, node] = torch.randint(0, node, (rows,), generator=g)
+        want = torch.zeros(rows, n, n, dtype=torch.bool)
+        depth = torch.zeros(rows, n, dtype=torch.int64)
+        for r in range(rows):
+            for node in range(n):
+                m = node
+                want[r, node, m] = True
+                while m != 0:
+                    m = int(parent[r, m])
+                    want[r, node, m] = True
+                    depth[r, node] += 1
+        tree = Tree(parent, torch.zeros_like(parent), depth, None)
+        for bound in (int(depth.max()), n):
+            assert torch.equal(ancestors(tree, bound), want)

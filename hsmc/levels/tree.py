@@ -124,13 +124,18 @@ def grow(
 
 
 def ancestors(tree: Tree, max_depth: int) -> torch.Tensor:
-    """bool [R, N, N]: entry [n, m] holds when m is n or one of its ancestors (`max_depth` bounds the depth)."""
+    """bool [R, N, N]: entry [n, m] holds when m is n or one of its ancestors (`max_depth` bounds the depth).
+
+    By pointer doubling: after k steps a node's row holds its 2^k nearest ancestors (itself included) and `jump` is
+    its 2^k-th ancestor, so ceil(log2(max_depth + 1)) steps suffice. A drafter expanding a growing tree bounds the
+    depth by the node count; stepping one ancestor at a time made that ~400 small launches a round of a 6 x 6 tree
+    (docs/measurements/2026-11-30-h200-tree-auto-t1.txt)."""
     n = tree.size
-    eye = torch.eye(n, dtype=torch.bool, device=tree.parent.device).expand(tree.parent.shape[0], n, n)
-    seen, node = eye.clone(), tree.parent
-    for _ in range(max_depth):
-        seen |= eye.gather(1, node[:, :, None].expand(-1, -1, n))  # row `node` of eye, i.e. one-hot at node
-        node = tree.parent.gather(1, node)
+    seen = torch.eye(n, dtype=torch.bool, device=tree.parent.device).expand(tree.parent.shape[0], n, n).clone()
+    jump = tree.parent  # the root is its own parent: jumps past it stay there
+    for _ in range(max(max_depth, 1).bit_length()):
+        seen = seen | seen.gather(1, jump[:, :, None].expand(-1, -1, n))
+        jump = jump.gather(1, jump)
     return seen
 
 
