@@ -315,9 +315,8 @@ def tree_walk(
     block_n = max(16, triton.next_power_of_2(n_nodes))
     blocks = min(MAX_BLOCKS, triton.next_power_of_2(triton.cdiv(vocab, 4 * BLOCK_V)))
     chunk = triton.cdiv(triton.cdiv(vocab, blocks), BLOCK_V) * BLOCK_V
-    per_node = torch.empty(6, rows, n_nodes, dtype=torch.int32, device=device)
-    rank, kids, start, fresh = per_node[0], per_node[1], per_node[2], per_node[3]
-    px, qx = per_node[4].view(torch.float32), per_node[5].view(torch.float32)
+    rank, kids, start, fresh = torch.empty(4, rows, n_nodes, dtype=torch.int32, device=device)
+    px, qx = torch.empty(2, rows, n_nodes, device=device)
     t = torch.empty(rows, n_nodes, kp1, device=device)
     c = torch.empty_like(t)
     part = torch.empty(rows, n_nodes, kp1, blocks, device=device)
