@@ -2,7 +2,10 @@
 auto must never be slower than the target alone by more than the noise, and on a GPU match the best fixed setting).
 
     python scripts/bench_draft_length.py [--questions 4] [--new-tokens 64] [--temperature 0 1] [--repeats 3]
-        [--device cuda|cpu]
+        [--gammas 2 4 auto tree-auto 5x4x16] [--tree-rule target_only] [--device cuda|cpu]
+
+`--gammas` takes fixed chains (γ), `auto`, `tree-auto` and fixed trees DEPTHxTOPKxBUDGET (verified by `--tree-rule`,
+as are tree-auto's trees): the best fixed setting is the one auto must match.
 
 Target: SmolLM2-135M-Instruct (fp32, or `--dtype bfloat16`). Drafters: its first 10 of 30 layers (a 1 : 3
 self-draft) and the shipped EAGLE3 head. Each prompt is a chat-templated GSM8K question decoded alone; tok/s is the
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from hsmc.config import TREE_RULES
 from hsmc.decoder import HierarchicalDecoder
 from hsmc.models.demo import demo_model_folder
 
@@ -47,16 +51,31 @@ def _gamma(text: str) -> int | str:
     return text if text == "auto" or text.startswith("tree") else int(text)
 
 
-def _levels(drafter: str | None, gamma: int | str, temperature: float, dtype: str) -> list[dict]:
+def _setting(text: str) -> int | str | tuple[int, int, int]:
+    """A `--gammas` entry: γ, auto, tree-auto, or a fixed tree DEPTHxTOPKxBUDGET."""
+    if text in ("auto", "tree-auto"):
+        return text
+    if "x" in text:
+        depth, topk, budget = (int(part) for part in text.split("x"))
+        return depth, topk, budget
+    return int(text)
+
+
+def _levels(
+    drafter: str | None, gamma: int | str | tuple[int, int, int], temperature: float, dtype: str, rule: str
+) -> list[dict]:
     target = {"model": str(demo_model_folder("smollm2-135m-instruct")), "dtype": dtype, "temperature": temperature}
     if drafter is None:
         return [{"kind": "model", **target}]
     below = {"kind": "eagle3", "model": str(HEAD), "dtype": "bfloat16", "temperature": temperature}
     if drafter == "self-draft":
         below = {"kind": "model", **target, "num_layers": 10}
-    top = {"kind": "rejection", **target, "num_draft_tokens": gamma}
+    top = {"kind": "rejection", **target, "num_draft_tokens": gamma, "tree_rule": rule}
     if gamma == "tree-auto":  # chains and trees
         top.update(num_draft_tokens="auto", tree="auto")
+    elif isinstance(gamma, tuple):
+        depth, topk, budget = gamma
+        top.update(num_draft_tokens=depth, tree={"depth": depth, "topk": topk, "budget": budget})
     return [below, top]
 
 
@@ -81,7 +100,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gammas", nargs="+", default=["2", "4", "auto"], help="fixed γs, auto, tree-auto")
+    parser.add_argument(
+        "--gammas", nargs="+", type=_setting, default=[2, 4, "auto"], help="fixed γs, auto, tree-auto, trees DxKxB"
+    )
+    parser.add_argument("--tree-rule", default="target_only", choices=TREE_RULES, help="the trees' verification rule")
     parser.add_argument("--drafters", nargs="+", default=["self-draft", "eagle3"], choices=["self-draft", "eagle3"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
@@ -105,16 +127,15 @@ def main() -> None:
     warmed = ", engine.warmup" if args.warmup else ""
     print(f"device: {device}; SmolLM2-135M-Instruct {args.dtype}, batch 1, {len(questions)} GSM8K questions x "
           f"{args.new_tokens} new tokens, median of {args.repeats} passes{warmed}")  # fmt: skip
-    print(f"{'T':>4} {'drafter':>10} {'γ':>5} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
+    print(f"{'T':>4} {'drafter':>10} {'γ':>9} {'decode tok/s':>12} {'x target':>8} {'e2e tok/s':>9} {'x target':>8} "
           f"{'accepted':>8} {'mean γ':>6} {'captured':>8}  pass by pass (decode)")  # fmt: skip
-    gammas = [g if g in ("auto", "tree-auto") else int(g) for g in args.gammas]
-    settings = [(None, 0)] + [(d, g) for d in args.drafters for g in gammas]
+    settings = [(None, 0)] + [(d, g) for d in args.drafters for g in args.gammas]
     for temperature in args.temperature:
         decoders = {}
         for drafter, gamma in settings:
             decoders[drafter, gamma] = HierarchicalDecoder.from_config(
                 {
-                    "levels": _levels(drafter, gamma, temperature, args.dtype),
+                    "levels": _levels(drafter, gamma, temperature, args.dtype, args.tree_rule),
                     "engine": {"max_batch_rows": 1, "device": args.device, "warmup": args.warmup},
                 }
             )
@@ -140,10 +161,11 @@ def main() -> None:
             base, base_whole = base or tok_s, base_whole or whole
             stats = [s for r in passes for s in r[2]]
             accepted = statistics.mean(s.get("mean_accepted_length", 1.0) for s in stats)
-            mean_gamma = statistics.mean(s.get("mean_draft_tokens", gamma or 0) for s in stats)
-            label = "-" if drafter is None else gamma
+            fixed = gamma[0] if isinstance(gamma, tuple) else gamma or 0
+            mean_gamma = statistics.mean(s.get("mean_draft_tokens", fixed) for s in stats)
+            label = "-" if drafter is None else "x".join(map(str, gamma)) if isinstance(gamma, tuple) else gamma
             captured = decoder.stack.scope.graphs_captured() - warm[drafter, gamma]
-            print(f"{temperature:>4g} {drafter or 'none':>10} {label!s:>5} {tok_s:12.1f} {tok_s / base:7.2f}x "
+            print(f"{temperature:>4g} {drafter or 'none':>10} {label!s:>9} {tok_s:12.1f} {tok_s / base:7.2f}x "
                   f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f} {captured:8d}  "
                   f"{min(paired):.2f}-{max(paired):.2f}x", flush=True)  # fmt: skip
             if drafter is not None and gamma in ("auto", "tree-auto"):
@@ -199,7 +221,8 @@ def _forced(
     """The target alone, or a drafter's auto taking γ every round (left to choose if γ is `auto`; `treeI`: the I-th
     tree of `tree: auto`, counted from 1); warmed up."""
     tree = isinstance(gamma, str) and gamma.startswith("tree")
-    levels = _levels(drafter, ("tree-auto" if tree else "auto") if drafter is not None else 0, temperature, args.dtype)
+    gamma_of_levels = ("tree-auto" if tree else "auto") if drafter is not None else 0
+    levels = _levels(drafter, gamma_of_levels, temperature, args.dtype, args.tree_rule)
     decoder = HierarchicalDecoder.from_config(
         {"levels": levels, "engine": {"max_batch_rows": 1, "device": args.device}}
     )

@@ -68,8 +68,8 @@ Noise = Callable[[int, torch.Tensor], torch.Tensor]
 def draw_children(logq: torch.Tensor, k: int, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """k children per law logq [..., V]: the top-k tokens, or with Gumbel noise k draws without replacement
     (Gumbel-top-k, in draw order); and the slot log-probabilities (the k largest of logq, descending)."""
-    scores = logq if noise is None else logq + noise
-    return scores.topk(k, dim=-1).indices, logq.topk(k, dim=-1).values
+    top = logq.topk(k, dim=-1)
+    return (top if noise is None else (logq + noise).topk(k, dim=-1)).indices, top.values
 
 
 def _best(scores: torch.Tensor, k: int) -> torch.Tensor:

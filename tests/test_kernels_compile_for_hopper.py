@@ -1,0 +1,157 @@
+"""Kernels the CPU suite runs through Triton's interpreter, compiled for an H100/H200 (sm_90, with the ptxas that
+Triton ships): the interpreter accepts code the compiler rejects (a module global not declared `tl.constexpr`
+passed every interpreted test of a kernel and failed all of its GPU tests, 2026-11-30). The public wrappers run
+on tiny inputs with each launch recorded (argument types, constexprs, launch options); a fresh interpreter without
+TRITON_INTERPRET then compiles every kernel at those signatures, so this fails where the GPU would fail to build."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+triton = pytest.importorskip("triton")
+
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("checks kernels that run interpreted (the CPU suite)", allow_module_level=True)
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from hsmc.decoder import HierarchicalDecoder  # noqa: E402
+from hsmc.ops import vocab  # noqa: E402
+from hsmc.ops.tree_walk import tree_walk  # noqa: E402
+
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float64: "*fp64",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.int8: "*i8",
+    torch.uint8: "*u8",
+    torch.bool: "*i1",
+}
+OPTIONS = ("num_warps", "num_stages")  # launch options that change the compiled code
+
+COMPILE = """
+import json, sys, importlib
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+failed = []
+for launch in json.loads(sys.stdin.read()):
+    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    source = ASTSource(kernel, signature=launch["signature"], constexprs=launch["constexprs"])
+    try:
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+    except Exception as error:
+        failed.append(f"{launch['module']}.{launch['kernel']}: {type(error).__name__}: {str(error)[:2000]}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def _recorded(monkeypatch: pytest.MonkeyPatch, run) -> list[dict]:
+    """The distinct launches `run()` makes: module, kernel, signature, constexprs and options of each."""
+    launches: dict[str, dict] = {}
+    original = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202
+        names = self.arg_names
+        values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        signature, constexprs = {}, {}
+        for name in names:
+            value = values[name]
+            if isinstance(value, torch.Tensor):
+                signature[name] = POINTER_TYPES[value.dtype]
+            elif isinstance(value, bool) or value is None or name.isupper():  # constexprs are named in capitals
+                signature[name], constexprs[name] = "constexpr", value
+            elif isinstance(value, int):
+                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            else:
+                signature[name] = "fp32"
+        launch = {
+            "module": self.fn.__module__,
+            "kernel": self.fn.__name__,
+            "signature": signature,
+            "constexprs": constexprs,
+            "options": {k: v for k, v in kwargs.items() if k in OPTIONS},
+        }
+        launches[json.dumps(launch, sort_keys=True)] = launch
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    run()
+    monkeypatch.setattr(InterpretedFunction, "run", original)
+    return list(launches.values())
+
+
+def _compile_for_hopper(launches: list[dict]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, "-c", COMPILE], input=json.dumps(launches), env=env, capture_output=True, text=True
+    )
+
+
+def _vocabulary_passes() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 40, generator=g)
+    scale, floor = torch.tensor([1.0, 0.0]), torch.full((2,), float("-inf"))
+    vocab.gumbel_max(logits, scale, floor, torch.tensor([1, 2]))
+    vocab.logsumexp_rows(logits, scale.double(), floor)
+
+
+def _tree_walks() -> None:
+    g = torch.Generator().manual_seed(0)
+    parent = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    tokens = torch.tensor([[3, 1, 4, 2, 5, 0]])
+    p, q = torch.rand(2, 1, 6, 7, generator=g).softmax(-1)
+    u = torch.rand(1, 6, generator=g)
+    for rule in ("target_only", "draft_aware", "traversal"):
+        tree_walk(rule, parent, tokens, p, None if rule == "target_only" else q, u, max_children=3)
+
+
+def _a_stack_through_triton(folder) -> None:
+    """A sampled rejection stack on the Triton backend: the forwards' kernels (Linears, fused norms, qkv/RoPE/KV
+    store, paged attention), token rows, KV slots, stream keys and draws."""
+    small, big = make_tiny_model("qwen3", folder / "s", seed=3), make_tiny_model("qwen3", folder / "b", seed=4)
+    levels = [
+        {"model": str(small), "temperature": 1.0},
+        {"kind": "rejection", "model": str(big), "num_draft_tokens": 2, "temperature": 1.0},
+    ]
+    decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": {"device": "cpu", "attention": "triton"}})
+    decoder.generate([[5, 9, 13], [7, 7]], max_new_tokens=3, seed=0)
+
+
+@pytest.mark.parametrize("run", ["vocab", "tree_walk", "stack"])
+def test_interpreted_kernels_compile_for_sm90(monkeypatch, tmp_path, run):
+    cases = {"vocab": _vocabulary_passes, "tree_walk": _tree_walks, "stack": lambda: _a_stack_through_triton(tmp_path)}
+    launches = _recorded(monkeypatch, cases[run])
+    assert launches, "no kernel launched: nothing was checked"
+    result = _compile_for_hopper(launches)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_check_fails_on_a_global_the_compiler_rejects(monkeypatch, tmp_path):
+    """The check has teeth: a kernel reading a plain module float (interpreted, it runs) does not compile."""
+    module = tmp_path / "plain_global_kernel.py"
+    module.write_text(
+        "import triton\nimport triton.language as tl\n\nLOWEST = -3.0e38\n\n\n@triton.jit\n"
+        "def kernel(x_ptr, BLOCK: tl.constexpr):\n"
+        "    i = tl.arange(0, BLOCK)\n    tl.store(x_ptr + i, tl.maximum(tl.load(x_ptr + i), LOWEST))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    import plain_global_kernel
+
+    x = torch.zeros(8)
+    launches = _recorded(monkeypatch, lambda: plain_global_kernel.kernel[(1,)](x, BLOCK=8))
+    assert torch.equal(x, torch.zeros(8))  # the interpreter ran it
+    result = _compile_for_hopper(launches)
+    assert result.returncode == 1 and "LOWEST" in result.stdout
