@@ -117,21 +117,29 @@ def _tree_walks() -> None:
         tree_walk(rule, parent, tokens, p, None if rule == "target_only" else q, u, max_children=3)
 
 
-def _a_stack_through_triton(folder) -> None:
+def _stack_through_triton(folder, **top) -> None:
     """A sampled rejection stack on the Triton backend: the forwards' kernels (Linears, fused norms, qkv/RoPE/KV
-    store, paged attention), token rows, KV slots, stream keys and draws."""
+    store, paged attention), token rows, KV slots, stream keys and draws; with a tree in `top`, tree-masked
+    attention and the tree walk."""
     small, big = make_tiny_model("qwen3", folder / "s", seed=3), make_tiny_model("qwen3", folder / "b", seed=4)
     levels = [
         {"model": str(small), "temperature": 1.0},
-        {"kind": "rejection", "model": str(big), "num_draft_tokens": 2, "temperature": 1.0},
+        {"kind": "rejection", "model": str(big), "num_draft_tokens": 2, "temperature": 1.0, **top},
     ]
     decoder = HierarchicalDecoder.from_config({"levels": levels, "engine": {"device": "cpu", "attention": "triton"}})
     decoder.generate([[5, 9, 13], [7, 7]], max_new_tokens=3, seed=0)
 
 
-@pytest.mark.parametrize("run", ["vocab", "tree_walk", "stack"])
+@pytest.mark.parametrize("run", ["vocab", "tree_walk", "stack", "tree_stack"])
 def test_interpreted_kernels_compile_for_sm90(monkeypatch, tmp_path, run):
-    cases = {"vocab": _vocabulary_passes, "tree_walk": _tree_walks, "stack": lambda: _a_stack_through_triton(tmp_path)}
+    cases = {
+        "vocab": _vocabulary_passes,
+        "tree_walk": _tree_walks,
+        "stack": lambda: _stack_through_triton(tmp_path),
+        "tree_stack": lambda: _stack_through_triton(
+            tmp_path, tree={"depth": 2, "topk": 2, "budget": 3}, tree_rule="traversal"
+        ),
+    }
     launches = _recorded(monkeypatch, cases[run])
     assert launches, "no kernel launched: nothing was checked"
     result = _compile_for_hopper(launches)
