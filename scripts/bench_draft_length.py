@@ -10,8 +10,8 @@ as are tree-auto's trees): the best fixed setting is the one auto must match.
 Target: SmolLM2-135M-Instruct (fp32, or `--dtype bfloat16`). Drafters: its first 10 of 30 layers (a 1 : 3
 self-draft) and the shipped EAGLE3 head. Each prompt is a chat-templated GSM8K question decoded alone; tok/s is the
 median of `--repeats` passes over the questions after a warm-up pass (auto's start-up timing is not counted: it
-happens in the constructor), the passes interleaved over the settings so that a drift of the machine's speed shifts
-all alike.
+happens in the constructor), the passes interleaved over the settings, each round starting one setting later, so
+that a drift of the machine's speed shifts all alike.
 Prints the device, the target-alone baseline, each setting's decode tok/s (the prefill's time subtracted) and
 end-to-end tok/s (prefills included: a drafter's prefill is part of its cost), accepted length, mean γ, both
 ratios to the baseline, the CUDA graphs captured during the timed passes (a capture inside them is timed as decode:
@@ -140,12 +140,15 @@ def main() -> None:
                 }
             )
             _pass(decoders[drafter, gamma], questions, args.new_tokens)  # warm-up
-        # passes interleaved over the settings: a drift of the machine's speed shifts every setting alike
+        # passes interleaved over the settings, each round starting one setting later: a drift of the machine's
+        # speed shifts every setting alike, and none always runs first (on an H200 the target alone, then always
+        # first, ran 2 of its 3 passes ~20 % slower than the third, cause unknown:
+        # docs/measurements/2026-11-30-h200-tree-auto-against-fixed-trees.txt)
         runs: dict[tuple, list] = {setting: [] for setting in settings}
         warm = {setting: decoder.stack.scope.graphs_captured() for setting, decoder in decoders.items()}
-        for _ in range(args.repeats):
-            for setting, decoder in decoders.items():
-                runs[setting].append(_pass(decoder, questions, args.new_tokens))
+        for round_ in range(args.repeats):
+            for setting in settings[round_ % len(settings) :] + settings[: round_ % len(settings)]:
+                runs[setting].append(_pass(decoders[setting], questions, args.new_tokens))
         base = base_whole = None
         base_passes = [r[1] for r in runs[None, 0]]
         for (drafter, gamma), decoder in decoders.items():
