@@ -24,6 +24,10 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
 from hsmc.ops import vocab  # noqa: E402
+from hsmc.ops.decode_linear import decode_linear  # noqa: E402
+from hsmc.ops.few_row_linear import few_row_linear  # noqa: E402
+from hsmc.ops.fp8_gemm import fp8_gemm, quantize_groups, rms_norm_quantize, silu_mul_quantize, w8a8_matmul  # noqa: E402
+from hsmc.ops.fp8_linear import quantize_fp8  # noqa: E402
 from hsmc.ops.tree_walk import tree_walk  # noqa: E402
 
 POINTER_TYPES = {
@@ -36,6 +40,7 @@ POINTER_TYPES = {
     torch.int8: "*i8",
     torch.uint8: "*u8",
     torch.bool: "*i1",
+    torch.float8_e4m3fn: "*fp8e4nv",
 }
 OPTIONS = ("num_warps", "num_stages")  # launch options that change the compiled code
 
@@ -117,6 +122,25 @@ def _tree_walks() -> None:
         tree_walk(rule, parent, tokens, p, None if rule == "target_only" else q, u, max_children=3)
 
 
+def _linears() -> None:
+    """The Linears' kernels with every prologue and epilogue: one row and few rows (norm-fed, SiLU·mul-fed, with a
+    residual), FP8 weights alone (one row, and the GEMM), FP8 activations (the quantizers and the w8a8 GEMM)."""
+    g = torch.Generator().manual_seed(0)
+    x, gate_up, w = torch.randn(3, 1, 64, generator=g), torch.randn(3, 1, 128, generator=g), torch.randn(40, 64)
+    norm, residual = (torch.rand(64, generator=g) + 0.5, 1e-6), torch.randn(3, 1, 40, generator=g)
+    for rows, linear in ((1, decode_linear), (3, few_row_linear)):
+        linear(x[:rows], w, norm=norm, residual=residual[:rows])
+        linear(gate_up[:rows], w, silu_mul=True, bias=torch.randn(40, generator=g))
+    block = (128, 128)
+    weight, scale = quantize_fp8(torch.randn(40, 256, generator=g), block)
+    decode_linear(torch.randn(1, 1, 256, generator=g), weight, scale=scale, scale_block=block)
+    fp8_gemm(torch.randn(3, 256, generator=g), weight, scale, block)
+    q, q_scale = rms_norm_quantize(torch.randn(3, 256, generator=g), torch.rand(256, generator=g) + 0.5, 1e-6, 128)
+    w8a8_matmul(q, q_scale, weight, scale, block, torch.float32)
+    silu_mul_quantize(torch.randn(3, 512, generator=g), 128)
+    quantize_groups(torch.randn(3, 256, generator=g), 128)
+
+
 def _stack_through_triton(folder, **top) -> None:
     """A sampled rejection stack on the Triton backend: the forwards' kernels (Linears, fused norms, qkv/RoPE/KV
     store, paged attention), token rows, KV slots, stream keys and draws; with a tree in `top`, tree-masked
@@ -130,11 +154,12 @@ def _stack_through_triton(folder, **top) -> None:
     decoder.generate([[5, 9, 13], [7, 7]], max_new_tokens=3, seed=0)
 
 
-@pytest.mark.parametrize("run", ["vocab", "tree_walk", "stack", "tree_stack"])
+@pytest.mark.parametrize("run", ["vocab", "tree_walk", "linears", "stack", "tree_stack"])
 def test_interpreted_kernels_compile_for_sm90(monkeypatch, tmp_path, run):
     cases = {
         "vocab": _vocabulary_passes,
         "tree_walk": _tree_walks,
+        "linears": _linears,
         "stack": lambda: _stack_through_triton(tmp_path),
         "tree_stack": lambda: _stack_through_triton(
             tmp_path, tree={"depth": 2, "topk": 2, "budget": 3}, tree_rule="traversal"
