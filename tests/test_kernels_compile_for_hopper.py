@@ -6,6 +6,7 @@ TRITON_INTERPRET then compiles every kernel at those signatures, so this fails w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,14 +21,24 @@ triton = pytest.importorskip("triton")
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("checks kernels that run interpreted (the CPU suite)", allow_module_level=True)
 
+import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from hsmc.decoder import HierarchicalDecoder  # noqa: E402
 from hsmc.ops import vocab  # noqa: E402
 from hsmc.ops.decode_linear import decode_linear  # noqa: E402
 from hsmc.ops.few_row_linear import few_row_linear  # noqa: E402
-from hsmc.ops.fp8_gemm import fp8_gemm, quantize_groups, rms_norm_quantize, silu_mul_quantize, w8a8_matmul  # noqa: E402
+from hsmc.ops.fp8_gemm import (  # noqa: E402
+    dequantize_fp8_triton,
+    fp8_gemm,
+    quantize_groups,
+    rms_norm_quantize,
+    silu_mul_quantize,
+    w8a8_matmul,
+)
 from hsmc.ops.fp8_linear import quantize_fp8  # noqa: E402
+from hsmc.ops.paged_attention import paged_attention, plan_attention  # noqa: E402
+from hsmc.ops.push_all_reduce import BITS, FREE, SLOTS, PushAllReduce  # noqa: E402
 from hsmc.ops.tree_walk import tree_walk  # noqa: E402
 
 POINTER_TYPES = {
@@ -37,6 +48,7 @@ POINTER_TYPES = {
     torch.float16: "*fp16",
     torch.int64: "*i64",
     torch.int32: "*i32",
+    torch.int16: "*i16",
     torch.int8: "*i8",
     torch.uint8: "*u8",
     torch.bool: "*i1",
@@ -52,6 +64,9 @@ from triton.compiler import ASTSource
 failed = []
 for launch in json.loads(sys.stdin.read()):
     kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    for name, value in launch["constexprs"].items():
+        if isinstance(value, dict):  # a Triton dtype
+            launch["constexprs"][name] = triton.language.dtype(value["tl_dtype"])
     source = ASTSource(kernel, signature=launch["signature"], constexprs=launch["constexprs"])
     try:
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
@@ -73,10 +88,13 @@ def _recorded(monkeypatch: pytest.MonkeyPatch, run) -> list[dict]:
         signature, constexprs = {}, {}
         for name in names:
             value = values[name]
-            if isinstance(value, torch.Tensor):
+            if "constexpr" in str(self.fn.__annotations__.get(name, "")) or value is None:
+                signature[name] = "constexpr"
+                constexprs[name] = {"tl_dtype": str(value)} if isinstance(value, tl.dtype) else value
+            elif isinstance(value, torch.Tensor):
                 signature[name] = POINTER_TYPES[value.dtype]
-            elif isinstance(value, bool) or value is None or name.isupper():  # constexprs are named in capitals
-                signature[name], constexprs[name] = "constexpr", value
+            elif isinstance(value, bool):
+                signature[name] = "i1"
             elif isinstance(value, int):
                 signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             else:
@@ -139,6 +157,25 @@ def _linears() -> None:
     w8a8_matmul(q, q_scale, weight, scale, block, torch.float32)
     silu_mul_quantize(torch.randn(3, 512, generator=g), 128)
     quantize_groups(torch.randn(3, 256, generator=g), 128)
+    dequantize_fp8_triton(weight, scale, block, torch.float32)
+
+
+def _attention_and_all_reduce() -> None:
+    """A decode row's attention split over its context (the combine kernel), and the push all-reduce as rank 0 of
+    two (the peer's buffer simulated, as tests/test_push_all_reduce.py does)."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 64, 2, 16, generator=g)
+    plan = plan_attention(1, 1, 41, 4, 2, 4)
+    start, one = torch.tensor([40]), torch.tensor([1])
+    q = torch.randn(1, 1, 4, 16, generator=g)
+    paged_attention(
+        q, keys, values, torch.arange(64)[None], torch.tensor([0]), start, one, dataclasses.replace(plan, splits=4)
+    )
+    for dtype in (torch.bfloat16, torch.float32):
+        mine = torch.full((SLOTS, 2, 256), FREE[dtype], dtype=BITS[dtype])
+        peer = torch.full_like(mine, FREE[dtype])
+        mine[0, 1] = 0  # the peer's push (zeros), arrived before rank 0 looks
+        PushAllReduce(mine, [mine.data_ptr(), peer.data_ptr()], rank=0, dtype=dtype)(torch.randn(256).to(dtype))
 
 
 def _stack_through_triton(folder, **top) -> None:
@@ -154,12 +191,13 @@ def _stack_through_triton(folder, **top) -> None:
     decoder.generate([[5, 9, 13], [7, 7]], max_new_tokens=3, seed=0)
 
 
-@pytest.mark.parametrize("run", ["vocab", "tree_walk", "linears", "stack", "tree_stack"])
+@pytest.mark.parametrize("run", ["vocab", "tree_walk", "linears", "attention_all_reduce", "stack", "tree_stack"])
 def test_interpreted_kernels_compile_for_sm90(monkeypatch, tmp_path, run):
     cases = {
         "vocab": _vocabulary_passes,
         "tree_walk": _tree_walks,
         "linears": _linears,
+        "attention_all_reduce": _attention_and_all_reduce,
         "stack": lambda: _stack_through_triton(tmp_path),
         "tree_stack": lambda: _stack_through_triton(
             tmp_path, tree={"depth": 2, "topk": 2, "budget": 3}, tree_rule="traversal"
