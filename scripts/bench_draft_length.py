@@ -30,6 +30,7 @@ on CUDA, by count on the CPU, where an op's time is mostly the machine's noise).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -40,6 +41,7 @@ import torch
 
 from hsmc.config import TREE_RULES
 from hsmc.decoder import HierarchicalDecoder
+from hsmc.levels.tree import TreeShape
 from hsmc.models.demo import demo_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,19 +53,20 @@ def _gamma(text: str) -> int | str:
     return text if text == "auto" or text.startswith("tree") else int(text)
 
 
-def _setting(text: str) -> int | str | tuple[int, int, int]:
+def _setting(text: str) -> int | str | TreeShape:
     """A `--gammas` entry: γ, auto, tree-auto, or a fixed tree DEPTHxTOPKxBUDGET."""
     if text in ("auto", "tree-auto"):
         return text
     if "x" in text:
-        depth, topk, budget = (int(part) for part in text.split("x"))
-        return depth, topk, budget
+        return TreeShape(*(int(part) for part in text.split("x")))
     return int(text)
 
 
-def _levels(
-    drafter: str | None, gamma: int | str | tuple[int, int, int], temperature: float, dtype: str, rule: str
-) -> list[dict]:
+def _label(gamma: int | str | TreeShape) -> str:
+    return f"{gamma.depth}x{gamma.topk}x{gamma.budget}" if isinstance(gamma, TreeShape) else str(gamma)
+
+
+def _levels(drafter: str | None, gamma: int | str | TreeShape, temperature: float, dtype: str, rule: str) -> list[dict]:
     target = {"model": str(demo_model_folder("smollm2-135m-instruct")), "dtype": dtype, "temperature": temperature}
     if drafter is None:
         return [{"kind": "model", **target}]
@@ -73,9 +76,8 @@ def _levels(
     top = {"kind": "rejection", **target, "num_draft_tokens": gamma, "tree_rule": rule}
     if gamma == "tree-auto":  # chains and trees
         top.update(num_draft_tokens="auto", tree="auto")
-    elif isinstance(gamma, tuple):
-        depth, topk, budget = gamma
-        top.update(num_draft_tokens=depth, tree={"depth": depth, "topk": topk, "budget": budget})
+    elif isinstance(gamma, TreeShape):
+        top.update(num_draft_tokens=gamma.depth, tree=dataclasses.asdict(gamma))
     return [below, top]
 
 
@@ -164,11 +166,11 @@ def main() -> None:
             base, base_whole = base or tok_s, base_whole or whole
             stats = [s for r in passes for s in r[2]]
             accepted = statistics.mean(s.get("mean_accepted_length", 1.0) for s in stats)
-            fixed = gamma[0] if isinstance(gamma, tuple) else gamma or 0
+            fixed = gamma.depth if isinstance(gamma, TreeShape) else gamma or 0
             mean_gamma = statistics.mean(s.get("mean_draft_tokens", fixed) for s in stats)
-            label = "-" if drafter is None else "x".join(map(str, gamma)) if isinstance(gamma, tuple) else gamma
+            label = "-" if drafter is None else _label(gamma)
             captured = decoder.stack.scope.graphs_captured() - warm[drafter, gamma]
-            print(f"{temperature:>4g} {drafter or 'none':>10} {label!s:>9} {tok_s:12.1f} {tok_s / base:7.2f}x "
+            print(f"{temperature:>4g} {drafter or 'none':>10} {label:>9} {tok_s:12.1f} {tok_s / base:7.2f}x "
                   f"{whole:9.1f} {whole / base_whole:7.2f}x {accepted:8.2f} {mean_gamma:6.2f} {captured:8d}  "
                   f"{min(paired):.2f}-{max(paired):.2f}x", flush=True)  # fmt: skip
             if drafter is not None and gamma in ("auto", "tree-auto"):
