@@ -81,3 +81,13 @@ def assert_greedy_as_target_with_partial_acceptance(decoder, target, hf_greedy) 
     accepted = results[0].stats["levels"][1]["mean_accepted_length"]
     assert 1.0 < accepted < 5.0, "drafts should be partly accepted (ragged rows)"
     assert_pools_empty(decoder)
+
+
+def drawn_children(generator: torch.Generator):
+    """A draft tree's children drawn without replacement (Gumbel-top-k) with noise from `generator`, for `grow`."""
+
+    def children(depth: int, parents: torch.Tensor, logq: torch.Tensor, k: int):
+        u = torch.rand(*logq.shape, generator=generator).clamp_min(1e-12)
+        return (logq - torch.log(-torch.log(u))).topk(k, dim=-1).indices, logq.topk(k, dim=-1).values
+
+    return children

@@ -128,6 +128,7 @@ def _vocabulary_passes() -> None:
     scale, floor = torch.tensor([1.0, 0.0]), torch.full((2,), float("-inf"))
     vocab.gumbel_max(logits, scale, floor, torch.tensor([1, 2]))
     vocab.logsumexp_rows(logits, scale.double(), floor)
+    vocab.gumbel_top_k(torch.log_softmax(logits, -1), torch.tensor([1, 2]), 3)
 
 
 def _tree_walks() -> None:

@@ -8,10 +8,11 @@ import itertools
 
 import pytest
 import torch
+from helpers import drawn_children
 from scipy.stats import chisquare
 from test_host_reads import HostReadCounter
 
-from hsmc.levels.tree import Tree, ancestors, grow, path, tree_mask
+from hsmc.levels.tree import Tree, ancestors, grow, path, top_children, tree_mask
 from hsmc.speculative.tree_verify import DRAWN_RULES, verify_tree, verify_tree_traversal
 
 V, TOKENS, SAMPLES = 4, 3, 40_000
@@ -85,12 +86,9 @@ def _decode(
             states = _node_states(tree, before)
             return torch.log_softmax(draft[states[0].gather(1, frontier), states[1].gather(1, frontier)], -1)
 
-        def noise(d: int, frontier: torch.Tensor) -> torch.Tensor:
-            u = torch.rand(*frontier.shape, V, generator=g).clamp_min(1e-12)
-            return -torch.log(-torch.log(u))
-
         root_logq = torch.log_softmax(draft[before, root], -1)
-        tree = grow(root, root_logq, expand, depth, topk, budget, noise if rule in DRAWN_RULES else None)
+        children = drawn_children(g) if rule in DRAWN_RULES else top_children
+        tree = grow(root, root_logq, expand, depth, topk, budget, children)
         p = _law(target, _node_states(tree, before), temperature)
         q = tree.logq.exp() if rule in DRAWN_RULES else None
         node, residual = walk(tree.parent, tree.tokens, p, q, torch.rand(samples, tree.size, generator=g))

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import drawn_children
 
 pytest.importorskip("triton")
 
-from hsmc.levels.tree import Tree, grow  # noqa: E402
+from hsmc.levels.tree import Tree, grow, top_children  # noqa: E402
 from hsmc.ops.tree_walk import tree_walk  # noqa: E402
 from hsmc.speculative.tree_verify import DRAWN_RULES, verify_tree, verify_tree_traversal  # noqa: E402
 
@@ -28,13 +29,9 @@ def _grown(rule: str, rows: int, vocab: int, depth: int, topk: int, budget: int,
     def expand(tree: Tree, frontier: torch.Tensor) -> torch.Tensor:
         return laws[tree.tokens.gather(1, frontier) % 16].log_softmax(-1)
 
-    def noise(d: int, frontier: torch.Tensor) -> torch.Tensor:
-        u = torch.rand(*frontier.shape, vocab, generator=g).clamp_min(1e-12)
-        return -torch.log(-torch.log(u))
-
     root = torch.randint(0, vocab, (rows,), generator=g)
-    drawn = rule in DRAWN_RULES
-    return grow(root, laws[root % 16].log_softmax(-1), expand, depth, topk, budget, noise if drawn else None)
+    children = drawn_children(g) if rule in DRAWN_RULES else top_children
+    return grow(root, laws[root % 16].log_softmax(-1), expand, depth, topk, budget, children)
 
 
 def _target(tree: Tree, vocab: int, seed: int, greedy: bool = False) -> torch.Tensor:

@@ -4,6 +4,9 @@ TRITON_INTERPRET=1), one program at a time (about 30 ms a row for a draw), so th
 
 from __future__ import annotations
 
+import itertools
+
+import numpy
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -11,6 +14,7 @@ from scipy.stats import chisquare
 pytest.importorskip("triton")
 
 from hsmc.ops import vocab  # noqa: E402
+from hsmc.ops.counter_hash import combine  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NO_FLOOR = float("-inf")
@@ -194,3 +198,51 @@ def test_the_stream_keys_kernel_gives_the_references_bits(positions):
         expected = keys_of_draws(key[rows], purpose, given)
         got = stream_keys(key, rows, purpose, given)
         assert got.shape == expected.shape and torch.equal(got, expected)
+
+
+def test_gumbel_top_k_draws_children_without_replacement_in_draw_order(monkeypatch):
+    """3 children from a law of 3 tokens with mass (and one without), 400 keys: the orders follow the law of draws
+    without replacement, P(a, b, c) = q_a q_b / (1 - q_a), and not that of independent draws kept only when
+    distinct (P ∝ q_a q_b q_c, the same for every order): the children come in draw order. The slot values are
+    torch's top-k values exactly."""
+    monkeypatch.setattr(vocab, "TOP_K_BLOCK", 8)  # one block: the interpreter runs a program's lanes in numpy
+    logq = torch.log(_rows([0.7, 0.0, 0.2, 0.1]))
+    n = 400
+    keys = combine(torch.tensor(7, device=DEVICE), torch.arange(n, device=DEVICE))
+    tokens, slots = vocab.gumbel_top_k(logq.expand(n, -1), keys, 3)
+    assert torch.equal(slots, logq.topk(3).values.expand(n, -1))
+    orders = list(itertools.permutations([0, 2, 3]))  # token 1 has no mass: never drawn while others remain
+    observed = torch.tensor([float((tokens.cpu() == torch.tensor(order)).all(-1).sum()) for order in orders])
+    assert observed.sum() == n
+    q = logq.double().exp().cpu()
+    exact = torch.tensor([q[a] * q[b] / (1 - q[a]) for a, b, _ in orders])
+    assert chisquare(observed.numpy(), (exact / exact.sum() * n).numpy()).pvalue > 1e-3
+    assert chisquare(observed.numpy(), numpy.full(len(orders), n / len(orders))).pvalue < 1e-6
+
+
+def test_gumbel_top_k_over_several_blocks_and_laws_without_enough_mass(monkeypatch):
+    """Laws [2, 3, 50] over 4 blocks of 16 (the last one short), some entries without mass: k distinct columns of
+    the vocabulary per law, those with mass first; slot values equal torch's top-k values (-inf included), the
+    draws depend on the key alone; a law with exactly k tokens of mass draws those, one with fewer draws them
+    first."""
+    monkeypatch.setattr(vocab, "TOP_K_BLOCK", 16)
+    g = torch.Generator().manual_seed(3)
+    logits = 2.0 * torch.randn(2, 3, 50, generator=g)
+    logits[torch.rand(2, 3, 50, generator=g) < 0.3] = float("-inf")
+    logits[1, 1] = float("-inf")
+    logits[1, 1, [5, 33, 49, 17]] = torch.tensor([0.5, -1.0, 2.0, 0.1])  # exactly k = 4 with mass
+    logits[1, 2] = float("-inf")
+    logits[1, 2, [40, 2]] = torch.tensor([1.0, 1.5])  # fewer than k
+    logq = torch.log_softmax(logits, -1).to(DEVICE)
+    keys = torch.arange(6, device=DEVICE).view(2, 3) * 1_000_003
+    tokens, slots = vocab.gumbel_top_k(logq, keys, 4)
+    assert tokens.shape == slots.shape == (2, 3, 4)
+    assert torch.equal(slots, logq.topk(4).values)
+    assert bool((tokens >= 0).all() & (tokens < 50).all())
+    assert all(len(set(law.tolist())) == 4 for law in tokens.view(-1, 4))
+    with_mass = logq.gather(-1, tokens) > float("-inf")
+    assert bool(with_mass.view(-1, 4)[[0, 1, 2, 3]].all())  # the first four laws have at least 4 with mass
+    assert set(tokens[1, 1].tolist()) == {5, 33, 49, 17}
+    assert set(tokens[1, 2, :2].tolist()) == {40, 2} and bool((~with_mass[1, 2, 2:]).all())
+    alone, _ = vocab.gumbel_top_k(logq[0, 1], keys[0, 1], 4)
+    assert torch.equal(alone, tokens[0, 1])

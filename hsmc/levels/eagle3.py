@@ -30,7 +30,7 @@ from hsmc.engine.runner import ModelRunner
 from hsmc.engine.sampler import RowLaws
 from hsmc.engine.timer import ForwardTimer
 from hsmc.levels.base import Proposal, StepOutput, TokenRows, masked_accept
-from hsmc.levels.tree import Tree, TreeShape, frontier_batch, grow, keyed_noise, tree_law
+from hsmc.levels.tree import Tree, TreeShape, frontier_batch, grow, keyed_children, top_children, tree_law
 
 
 class Eagle3Level:
@@ -156,9 +156,9 @@ class Eagle3Level:
             return tree_law(law, self._full_vocab(logits))
 
         root_logq = tree_law(law, self.last_logits[rows])
-        noise = keyed_noise(self.streams, rows, self.draw, start, root_logq.shape[-1]) if sampled else None
+        children = keyed_children(law.backend, self.streams, rows, self.draw, start) if sampled else top_children
         root = self.state.seq[rows, start - 1]
-        tree = grow(root, root_logq, expand, shape.depth, shape.topk, shape.budget, noise)
+        tree = grow(root, root_logq, expand, shape.depth, shape.topk, shape.budget, children)
         self.proposed = max(1, (shape.depth - 1) * shape.topk)  # head KV entries past the pairs (a bound), rolled
         # back by accept; never 0, which would read as a round it did not draft for
         return tree

@@ -8,7 +8,7 @@ from hsmc.engine.graphs import GraphParts, Graphs, HostField
 from hsmc.engine.random_streams import DRAW, RowStreams, purpose_of
 from hsmc.engine.sampler import RowLaws
 from hsmc.levels.base import Emission, Proposal, SequenceState, StepOutput, masked_accept
-from hsmc.levels.tree import Tree, TreeShape, frontier_batch, grow, keyed_noise, tree_law
+from hsmc.levels.tree import Tree, TreeShape, frontier_batch, grow, keyed_children, top_children, tree_law
 
 
 class ModelLevel:
@@ -75,9 +75,9 @@ class ModelLevel:
             run = torch.cat([run, frontier], 1)
             return tree_law(law, logits)
 
-        noise = keyed_noise(self.streams, rows, self.draw, start, root_logits.shape[-1]) if sampled else None
+        children = keyed_children(law.backend, self.streams, rows, self.draw, start) if sampled else top_children
         root = state.seq[rows, start - 1]
-        tree = grow(root, tree_law(law, root_logits), expand, shape.depth, shape.topk, shape.budget, noise)
+        tree = grow(root, tree_law(law, root_logits), expand, shape.depth, shape.topk, shape.budget, children)
         runner.tables.truncate(rows, start, max_drop=(shape.depth - 1) * shape.topk)
         self.proposed = shape.depth  # the accepted path: at most `depth` tokens past the root
         return tree

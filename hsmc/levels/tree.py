@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from hsmc.ops.batch import ForwardBatch
-from hsmc.ops.counter_hash import combine, gumbel
+from hsmc.ops.counter_hash import combine
 
 if TYPE_CHECKING:
     from hsmc.engine.random_streams import RowStreams
     from hsmc.engine.runner import ModelRunner
     from hsmc.engine.sampler import Law
+    from hsmc.ops.backend import Backend
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,15 @@ class Tree:
 
 # Expand: (tree so far, frontier node ids [R, m]) -> the drafter's log-law of their children [R, m, V].
 Expand = Callable[[Tree, torch.Tensor], torch.Tensor]
-# Noise: (depth of the children drawn, parent node ids [R, m]) -> Gumbel noise [R, m, V]; None: top-k children.
-Noise = Callable[[int, torch.Tensor], torch.Tensor]
+# Children: (depth of the children, parent node ids [R, m], their laws logq [R, m, V], k) -> k children per parent
+# [R, m, k] and the slot log-probabilities (the k largest of logq, descending) [R, m, k]
+Children = Callable[[int, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def draw_children(logq: torch.Tensor, k: int, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """k children per law logq [..., V]: the top-k tokens, or with Gumbel noise k draws without replacement
-    (Gumbel-top-k, in draw order); and the slot log-probabilities (the k largest of logq, descending)."""
+def top_children(depth: int, parents: torch.Tensor, logq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k tokens of each law: a deterministic tree (`target_only`, a greedy drafter)."""
     top = logq.topk(k, dim=-1)
-    return (top if noise is None else (logq + noise).topk(k, dim=-1)).indices, top.values
+    return top.indices, top.values
 
 
 def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -84,10 +85,11 @@ def grow(
     depth: int,
     topk: int,
     budget: int,
-    noise: Noise | None = None,
+    children: Children = top_children,
 ) -> Tree:
     """The tree of `budget` drafts after `root` [R] (the row's last token, its drafter law root_logq [R, V]).
-    `expand` runs the drafter over frontier nodes; `noise` draws children without replacement (else top-k)."""
+    `expand` runs the drafter over frontier nodes; `children` picks each expanded node's (`keyed_children`: draws
+    without replacement)."""
     rows, vocab = root_logq.shape
     device = root.device
     index = torch.arange(rows, device=device)[:, None]
@@ -106,7 +108,7 @@ def grow(
                 1, frontier, first_law + torch.arange(frontier.shape[1], device=device).expand_as(frontier)
             )
             laws.append(frontier_logq)
-        child_tokens, slot_logq = draw_children(frontier_logq, topk, None if noise is None else noise(d, frontier))
+        child_tokens, slot_logq = children(d, frontier, frontier_logq, topk)
         child_scores = (scores.gather(1, frontier)[:, :, None] + slot_logq).flatten(1)
         first = tokens.shape[1]
         parent = torch.cat([parent, frontier[:, :, None].expand_as(child_tokens).flatten(1)], 1)
@@ -186,11 +188,14 @@ def tree_law(law: Law, logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1) if law.greedy else law.log_probs(logits)
 
 
-def keyed_noise(streams: RowStreams, rows: torch.Tensor, purpose: int, start: torch.Tensor, vocab: int) -> Noise:
-    """Gumbel noise of the children of `parents` at depth d, keyed by (row, purpose, position start + d - 1,
-    parent): no two nodes of a tree share a draw, and a round never reuses one the kept tokens depend on."""
+def keyed_children(
+    backend: Backend, streams: RowStreams, rows: torch.Tensor, purpose: int, start: torch.Tensor
+) -> Children:
+    """Children drawn without replacement (`Backend.draw_children`), the noise of the children of `parents` at
+    depth d keyed by (row, purpose, position start + d - 1, parent): no two nodes of a tree share a draw, and a
+    round never reuses one the kept tokens depend on."""
 
-    def noise(depth: int, parents: torch.Tensor) -> torch.Tensor:
-        return gumbel(combine(streams.keys(rows, purpose, start + depth - 1)[:, None], parents), vocab)
+    def children(depth: int, parents: torch.Tensor, logq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return backend.draw_children(logq, k, combine(streams.keys(rows, purpose, start + depth - 1)[:, None], parents))
 
-    return noise
+    return children

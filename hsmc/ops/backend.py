@@ -13,7 +13,8 @@ can be captured in a CUDA graph.
 
 The same interface carries the small device steps around a forward that a graphed step runs many times: a
 forward's pending tokens and a step's appended tokens (`TokenRows`), KV slots appended and rolled back
-(`BlockTables`), a Gumbel-max draw and a scaled logsumexp over the vocabulary (the sampler, the SMC weights).
+(`BlockTables`), a Gumbel-max draw and a scaled logsumexp over the vocabulary (the sampler, the SMC weights), a draft
+tree's children and its walk.
 Their owners hold the stack's backend, so no caller picks a kernel by device.
 """
 
@@ -156,6 +157,12 @@ class Backend(Protocol):
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         """float64 [R]: logsumexp of logits[r, v] · scale[r] (float64) over the v with logits[r, v] >= floor[r],
         in float64 (the SMC weights' precision); -inf for a row with nothing kept."""
+        ...
+
+    def draw_children(self, logq: torch.Tensor, k: int, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k children per drafter law logq [..., V] and the slot log-probabilities (the k largest logq,
+        descending): (int64 [..., k], float32 [..., k]). With keys [...] the children are k draws without
+        replacement, in draw order (Gumbel-top-k, noise keyed by keys alone); without, the top-k tokens."""
         ...
 
     def tree_walk(
@@ -325,6 +332,12 @@ class TorchBackend:
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         kept = logits.float() >= floor[:, None]
         return torch.logsumexp(torch.where(kept, logits.double() * scale[:, None], float("-inf")), -1)
+
+    def draw_children(self, logq: torch.Tensor, k: int, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        top = logq.topk(k, dim=-1)
+        if keys is None:
+            return top.indices, top.values
+        return (logq + gumbel(keys, logq.shape[-1])).topk(k, dim=-1).indices, top.values
 
     def tree_walk(
         self,

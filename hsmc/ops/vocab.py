@@ -158,3 +158,78 @@ def logsumexp_rows(logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tenso
     )
     _lse_finish[(rows,)](partials, out, blocks, BLOCKS=max(16, triton.next_power_of_2(blocks)))
     return out
+
+
+LOWEST = tl.constexpr(-3.4028234663852886e38)  # float32's most negative finite value
+TOP_K_BLOCK = 1024  # vocabulary entries per program of gumbel_top_k: a draft tree has few laws, so more programs
+
+
+@triton.jit
+def _gumbel_top_k_partials(
+    logq_ptr, keys_ptr, part_ptr, V, stride_row, num_blocks, K: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Block `program_id(1)` of law `program_id(0)`: the K best columns by logq + Gumbel noise (score, column) and
+    the K largest logq. An entry without mass (or noise) ranks as float32's lowest value, last but still apart from
+    the columns already taken (-inf), so K distinct columns come out of any block of K real columns."""
+    row, block, cols, x = _row_block(logq_ptr, V, stride_row, BLOCK)
+    x = x.to(tl.float32)
+    bits, _, _, _ = tl.philox(tl.load(keys_ptr + row), cols, 0, 0, 0)  # the column, not the row: as gumbel_max
+    noisy = x - tl.log(-tl.log(tl.uint_to_uniform_float(bits)))
+    real = cols < V
+    score = tl.where(real, tl.maximum(noisy, LOWEST), float("-inf"))
+    value = tl.where(real, tl.maximum(x, LOWEST), float("-inf"))
+    index = tl.arange(0, BLOCK)
+    base = part_ptr + (row * num_blocks + block) * 3 * K
+    for j in tl.static_range(K):
+        best = tl.argmax(score, 0)
+        tl.store(base + j, tl.max(score, 0))
+        tl.store(base + K + j, (block * BLOCK + best).to(tl.float32))  # exact: columns < 2^24
+        score = tl.where(index == best, float("-inf"), score)
+        top = tl.argmax(value, 0)
+        tl.store(base + 2 * K + j, tl.max(value, 0))
+        value = tl.where(index == top, float("-inf"), value)
+
+
+@triton.jit
+def _gumbel_top_k_finish(part_ptr, tokens_ptr, slots_ptr, entries, K: tl.constexpr, ENTRIES: tl.constexpr):
+    """Merge a law's blocks: its K children in draw order (best score first) and its K largest logq, descending
+    (float32's lowest back to -inf)."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, ENTRIES)
+    ok = i < entries
+    at = part_ptr + row * 3 * entries + (i // K) * 3 * K + i % K
+    score = tl.load(at, mask=ok, other=float("-inf"))
+    column = tl.load(at + K, mask=ok, other=0.0)
+    value = tl.load(at + 2 * K, mask=ok, other=float("-inf"))
+    for j in tl.static_range(K):
+        best = tl.argmax(score, 0)
+        tl.store(tokens_ptr + row * K + j, tl.sum(tl.where(i == best, column, 0.0), 0).to(tl.int64))
+        score = tl.where(i == best, float("-inf"), score)
+        top = tl.max(value, 0)
+        tl.store(slots_ptr + row * K + j, tl.where(top <= LOWEST, float("-inf"), top))
+        value = tl.where(i == tl.argmax(value, 0), float("-inf"), value)
+
+
+def gumbel_top_k(logq: torch.Tensor, keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k draws without replacement from each law exp(logq) [..., V] (Gumbel-top-k, in draw order; noise keyed by
+    keys [...] alone) and the k largest logq, descending: (int64 [..., k], float32 [..., k]).
+
+    Two kernels where torch takes the noise's ~15 elementwise passes over [..., V] and two radix top-k's: the
+    children of each depth of a drawn draft tree (`TritonBackend.draw_children`)."""
+    shape, vocab_size = logq.shape[:-1], logq.shape[-1]
+    laws = logq.reshape(-1, vocab_size)
+    if laws.stride(1) != 1:
+        laws = laws.contiguous()
+    rows, blocks = laws.shape[0], triton.cdiv(vocab_size, TOP_K_BLOCK)
+    partials = torch.empty(rows, blocks, 3 * k, dtype=torch.float32, device=logq.device)
+    tokens = torch.empty(rows, k, dtype=torch.int64, device=logq.device)
+    slots = torch.empty(rows, k, dtype=torch.float32, device=logq.device)
+    _gumbel_top_k_partials[(rows, blocks)](
+        laws, keys.reshape(-1).contiguous(), partials, vocab_size, laws.stride(0), blocks, K=k, BLOCK=TOP_K_BLOCK,
+        num_warps=4,
+    )  # fmt: skip
+    entries = blocks * k
+    _gumbel_top_k_finish[(rows,)](
+        partials, tokens, slots, entries, K=k, ENTRIES=max(16, triton.next_power_of_2(entries))
+    )
+    return tokens.view(*shape, k), slots.view(*shape, k)

@@ -72,3 +72,37 @@ def test_the_stream_keys_kernel_gives_the_references_bits_on_cuda():
             stream_keys(key, rows, purpose, positions[:, 0]), keys_of_draws(key[rows], purpose, positions[:, 0])
         )
         assert torch.equal(stream_keys(key, rows, purpose, 77), keys_of_draws(key[rows], purpose, 77))
+
+
+def test_gumbel_top_k_over_a_full_vocabulary_draws_children_without_replacement():
+    """4 children of one law over 151,936 tokens (5 heavy tokens across the blocks, the rest light), 20,000 keys:
+    the (first, second) children follow the law of draws without replacement, P(a, b) = q_a q_b / (1 - q_a)
+    (the light tokens one bin); the 4 children are distinct; the slot values are torch's top-k values."""
+    from scipy.stats import chisquare
+
+    from hsmc.ops.counter_hash import combine
+    from hsmc.ops.vocab import gumbel_top_k
+
+    n = 20_000
+    heavy = torch.tensor([17, 40_000, 75_000, 120_000, VOCAB - 1], device="cuda")
+    logits = torch.full((VOCAB,), -11.0, device="cuda")
+    logits[heavy] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0], device="cuda")
+    logq = torch.log_softmax(logits, -1)
+    keys = combine(torch.tensor(5, device="cuda"), torch.arange(n, device="cuda"))
+    tokens, slots = gumbel_top_k(logq.expand(n, -1), keys, 4)
+    assert torch.equal(slots, logq.topk(4).values.expand(n, -1))
+    assert bool((tokens.sort(-1).values.diff(dim=-1) > 0).all())
+    bins = torch.full((VOCAB,), 5, dtype=torch.int64, device="cuda")
+    bins[heavy] = torch.arange(5, device="cuda")
+    first, second = bins[tokens[:, 0]], bins[tokens[:, 1]]
+    observed = torch.bincount(first * 6 + second, minlength=36).double().cpu()
+    q = torch.cat([logq[heavy].double().exp(), (1 - logq[heavy].double().exp().sum())[None]]).cpu()
+    exact = q[:, None] * q[None, :] / (1 - q[:, None])
+    exact[torch.arange(5), torch.arange(5)] = 0.0  # a heavy token drawn twice: never (the light bin may repeat)
+    light = logq[0].double().exp().cpu()  # one light token's mass: what a light first child takes from the rest
+    exact[5] = q[5] * q / (1 - light)
+    exact[5, 5] = q[5] * (q[5] - light) / (1 - light)  # a light first, another light second
+    support = exact.flatten() > 0
+    assert observed.flatten()[~support].sum() == 0
+    expected = exact.flatten()[support]
+    assert chisquare(observed.flatten()[support].numpy(), (expected / expected.sum() * n).numpy()).pvalue > 1e-4
