@@ -64,14 +64,17 @@ def _add_bench(sub: Any) -> None:
     cmd.add_argument("--shape", help="comma-separated model shapes with random weights, e.g. qwen3-8b,qwen3-32b")
     cmd.add_argument("--config", help="a config whose stack is measured as configured")
     cmd.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default 1,4,16)")
-    cmd.add_argument("--prompt-tokens", type=int, default=128)
-    cmd.add_argument("--new-tokens", type=int, default=256)
+    cmd.add_argument("--prompt-tokens", type=_positive_int, default=128)
+    cmd.add_argument("--new-tokens", type=_positive_int, default=256)
     cmd.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"], help="fp8: also runs bf16 to compare"
     )
     cmd.add_argument("--no-baseline", action="store_true", help="skip transformers' eager generate")
     cmd.add_argument(
-        "--tensor-parallel", type=int, default=1, help="--shape: GPUs each shape is sharded over (no baseline then)"
+        "--tensor-parallel",
+        type=_positive_int,
+        default=1,
+        help="--shape: GPUs each shape is sharded over (no baseline then)",
     )
     cmd.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     cmd.add_argument("--plot", help="write a tok/s-vs-batch chart (PNG) here")
@@ -90,7 +93,7 @@ def _add_eval(sub: Any) -> None:
     ):
         task = tasks.add_parser(name, help=f"{name} accuracy of one or more configs, compared to the first")
         task.add_argument("--config", action="append", default=[], help="YAML config; repeat to compare stacks")
-        task.add_argument("--limit", type=int, help="only the first N problems")
+        task.add_argument("--limit", type=_positive_int, help="only the first N problems")
         task.add_argument("--data", help=f"{data} (default: the copy shipped in evals/data, else the hub)")
         task.add_argument("--task", help=f"task settings YAML (default evals/{name}.yaml)")
         task.add_argument("--out", help=f"folder for per-sample records and the summary (default runs/eval/{name})")
@@ -98,7 +101,7 @@ def _add_eval(sub: Any) -> None:
         task.add_argument("--plot", action="store_true", help="draw accuracy vs tok/s (needs matplotlib)")
         if name == "humaneval":
             task.add_argument("--samples", action="append", help="score completions from a jsonl (task_id, completion)")
-            task.add_argument("--workers", type=int, help="programs run in parallel (default: CPU count)")
+            task.add_argument("--workers", type=_positive_int, help="programs run in parallel (default: CPU count)")
             task.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "landlock", "rlimits"])
         task.add_argument("overrides", nargs="*", help="config overrides (task.KEY=VALUE for task settings)")
         task.set_defaults(run=_eval)
@@ -111,7 +114,10 @@ def _add_serve(sub: Any) -> None:
     cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     cmd.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     cmd.add_argument(
-        "--max-queue", type=int, default=256, help="requests waiting for rows past which new ones get 429 (default 256)"
+        "--max-queue",
+        type=_positive_int,
+        default=256,
+        help="requests waiting for rows past which new ones get 429 (default 256)",
     )
     cmd.add_argument("--served-model-name", help="the model name clients send (default: the top level's model)")
     cmd.add_argument(
@@ -185,6 +191,17 @@ def _eval(args: argparse.Namespace) -> int:
 
     run_eval(args)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of a count: argparse's error line names the option ("--limit -3" would drop the last 3)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}")
+    return value
 
 
 def _positive_ints(text: str, option: str) -> list[int]:

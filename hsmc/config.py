@@ -8,7 +8,8 @@ that names where the value came from (the file or the override) and the offendin
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
 
@@ -90,6 +91,14 @@ class LevelConfig:
     def verify_positions(self) -> int:
         """rejection: positions one verify forward runs (γ + 1, or a tree's budget + 1), in the KV until it ends."""
         return max(verified for _, verified in self._round_shapes) + 1
+
+
+# The LevelConfig keys only one kind reads: set on a level of another kind they would change nothing, so they are
+# refused (`tree` on the drafter below a rejection level, `particles` on a rejection level)
+KIND_KEYS = {
+    "rejection": ("num_draft_tokens", "tree", "tree_rule"),
+    "smc": ("particles", "block_size", "alpha", "ess_threshold", "resampling", "selection"),
+}
 
 
 @dataclass
@@ -281,8 +290,16 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
             yield f"{key}.temperature", f" must be >= 0, got {level.temperature}"
         if level.num_layers is not None and level.num_layers <= 0:
             yield f"{key}.num_layers", f" must be positive, got {level.num_layers}"
+        yield from _foreign_key_problems(level, key)
         if level.kind == "rejection":
             yield from _draft_count_problems(cfg, i, key)
+            if level.tree_rule not in TREE_RULES:
+                yield f"{key}.tree_rule", f"={level.tree_rule!r} is not one of {', '.join(TREE_RULES)}"
+            elif level.tree is None and level.tree_rule != "target_only":
+                yield (
+                    f"{key}.tree_rule",
+                    f"={level.tree_rule!r} verifies draft trees; this level drafts chains (no tree)",
+                )
         if level.kind == "rejection" and isinstance(level.tree, str) and level.tree != "auto":
             yield f"{key}.tree", f"={level.tree!r} is neither a tree shape (depth, topk, budget) nor 'auto'"
         elif level.kind == "rejection":
@@ -320,6 +337,17 @@ def _problems(cfg: HsmcConfig) -> Iterator[tuple[str, str]]:
             yield key, f" must be positive, got {value}"
 
 
+def _foreign_key_problems(level: LevelConfig, key: str) -> Iterator[tuple[str, str]]:
+    """Keys of another kind set on this level (given a value other than their default)."""
+    defaults = {f.name: f.default for f in fields(LevelConfig) if f.default is not NO_DEFAULT}
+    for kind, names in KIND_KEYS.items():
+        if level.kind == kind:
+            continue
+        for name in names:
+            if getattr(level, name) != defaults[name]:
+                yield f"{key}.{name}", f" is a key of {kind!r} levels; this level is {level.kind!r}"
+
+
 def _draft_count_problems(cfg: HsmcConfig, i: int, key: str) -> Iterator[tuple[str, str]]:
     level, auto = cfg.levels[i], cfg.levels[i].num_draft_tokens == "auto"
     chosen = f"{key}.num_draft_tokens" if auto else f"{key}.tree"  # the key that asks for a chosen shape
@@ -344,8 +372,6 @@ def _tree_problems(tree: TreeConfig, rule: str, below: LevelConfig | None, key: 
     most = tree.topk + (tree.depth - 1) * tree.topk**2
     if tree.budget > most:
         yield f"{key}.tree.budget", f"={tree.budget} exceeds the {most} nodes a tree of this depth and topk drafts"
-    if rule not in TREE_RULES:
-        yield f"{key}.tree_rule", f"={rule!r} is not one of {', '.join(TREE_RULES)}"
     if below is not None and below.kind not in ("model", "eagle3"):
         yield f"{key}.tree", f": trees are drafted by a 'model' or 'eagle3' level, not by {below.kind!r}"
     if below is not None and rule in DRAWN_RULES and below.temperature <= 0:

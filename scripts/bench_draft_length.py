@@ -73,11 +73,11 @@ def _levels(drafter: str | None, gamma: int | str | TreeShape, temperature: floa
     below = {"kind": "eagle3", "model": str(HEAD), "dtype": "bfloat16", "temperature": temperature}
     if drafter == "self-draft":
         below = {"kind": "model", **target, "num_layers": 10}
-    top = {"kind": "rejection", **target, "num_draft_tokens": gamma, "tree_rule": rule}
+    top = {"kind": "rejection", **target, "num_draft_tokens": gamma}
     if gamma == "tree-auto":  # chains and trees
-        top.update(num_draft_tokens="auto", tree="auto")
+        top.update(num_draft_tokens="auto", tree="auto", tree_rule=rule)
     elif isinstance(gamma, TreeShape):
-        top.update(num_draft_tokens=gamma.depth, tree=dataclasses.asdict(gamma))
+        top.update(num_draft_tokens=gamma.depth, tree=dataclasses.asdict(gamma), tree_rule=rule)
     return [below, top]
 
 

@@ -183,6 +183,28 @@ def test_unknown_option_is_one_line(capsys):
     _one_error_line(capsys, "unrecognized arguments: --temperature - config overrides are key=value")
 
 
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["eval", "gsm8k", "--config", DEMO, "--limit", "-3"], "--limit"),  # would have dropped the last 3 questions
+        (["bench", "--shape", "qwen3-8b", "--new-tokens", "0"], "--new-tokens"),
+        (["serve", "--config", DEMO, "--max-queue", "many"], "--max-queue"),
+    ],
+)
+def test_a_count_below_one_is_refused_naming_its_option(argv, option, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    _one_error_line(capsys, f"argument {option}: takes an integer >= 1, got")
+
+
+def test_a_key_of_another_kind_of_level_is_refused_not_ignored(capsys):
+    assert main(["generate", "--config", DEMO, "levels.0.tree.depth=3"]) == 2
+    _one_error_line(capsys, "override 'levels.0.tree.depth=3': levels[0].tree is a key of 'rejection' levels; this")
+    assert main(["generate", "--config", DEMO, "levels.1.tree_rule=traversal"]) == 2
+    _one_error_line(capsys, "levels[1].tree_rule='traversal' verifies draft trees; this level drafts chains")
+
+
 def test_model_missing_at_check_time_names_its_level(tiny, tmp_path, capsys):
     levels = [{"model": str(tiny), "temperature": 1.0}, {"kind": "rejection", "model": str(tmp_path / "nowhere")}]
     config = _write_config(tmp_path, levels)

@@ -544,7 +544,9 @@ def test_lossless_in_distribution_whatever_shape_each_round_takes(small_vocab_pa
     else:
         target, head = small_vocab
         draft, below = None, {"kind": "eagle3", "model": str(head), "temperature": 1.0}
-    decoder = _auto_stack(below, target, 1.0, rows=2500, tree=tree, rule="draft_aware", timed=False)
+    decoder = _auto_stack(
+        below, target, 1.0, rows=2500, tree=tree, rule="draft_aware" if tree else "target_only", timed=False
+    )
     picks = PICKS + (SMALL_TREE_PICKS if tree else [])
     random.Random(5).shuffle(picks)
     _scheduled(decoder, picks)

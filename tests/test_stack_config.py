@@ -77,6 +77,12 @@ TREE = {"kind": "rejection", "model": "t", "tree": {"depth": 3, "topk": 2, "budg
         (_levels(M, {**TREE, "tree_rule": "spectr"}), r"levels\[1\].tree_rule='spectr' is not one of"),
         (_levels({**M, "temperature": 0.0}, {**TREE, "tree_rule": "draft_aware"}), r"levels\[1\].tree_rule=.*> 0"),
         (_levels(M, {"kind": "rejection", "model": "r"}, TREE), r"levels\[2\].tree: trees are drafted by"),
+        (_levels(M, {**TREE, "tree": None, "tree_rule": "bogus"}), r"levels\[1\].tree_rule='bogus' is not one of"),
+        (_levels(M, {**TREE, "tree": None, "tree_rule": "traversal"}), r"tree_rule='traversal' verifies draft trees; "),
+        (_levels({**M, "tree": TREE["tree"]}, TREE), r"levels\[0\].tree is a key of 'rejection' levels; this level"),
+        (_levels(M, {**TREE, "particles": 8}), r"levels\[1\].particles is a key of 'smc' levels; this level is 'rej"),
+        (_levels(M, {**TREE, "block_size": 2}), r"levels\[1\].block_size is a key of 'smc' levels"),
+        (_levels(M, {"kind": "smc", "model": "t", "temperature": 1.0, "num_draft_tokens": 2}), "num_draft_tokens is"),
     ],
 )
 def test_invalid_stacks(cfg, message):
