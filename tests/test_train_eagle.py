@@ -63,10 +63,19 @@ def test_loss_falls_and_top1_rises(setup):
     assert head_dir == root / "learn" / "head"
 
 
-def test_keep_checkpoints_must_be_positive(setup):
+def test_counts_and_rates_out_of_range_are_refused_before_any_work(setup):
+    """ttt_steps=0 would train a head on no unrolled step after the verifier had answered every prompt."""
     root, verifier, prompts = setup
-    with pytest.raises(ConfigError, match="keep_checkpoints must be positive, got 0"):
-        _config(root, verifier, prompts, "none", keep_checkpoints=0)
+    for key, value, says in [
+        ("keep_checkpoints", 0, "must be positive, got 0"),
+        ("ttt_steps", 0, "must be positive, got 0"),
+        ("lr", -1.0, "must be positive, got -1.0"),
+        ("generation_batch", 0, "must be positive, got 0"),
+        ("warmup_steps", -1, "must be >= 0, got -1"),
+        ("temperature", -0.5, "must be >= 0, got -0.5"),
+    ]:
+        with pytest.raises(ConfigError, match=f"train-eagle: {key} {says}"):
+            _config(root, verifier, prompts, "none", **{key: value})
     with pytest.raises(ConfigError, match="export_dtype must be one of float32, bfloat16, float16, got 'fp8'"):
         _config(root, verifier, prompts, "none", export_dtype="fp8")
 

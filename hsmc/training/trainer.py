@@ -92,10 +92,16 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | tuple[st
         raise ConfigError("train-eagle: set prompts_file (a .jsonl) or dataset")
     if cfg.prompts_file is not None and not Path(cfg.prompts_file).is_file():
         raise ConfigError(f"train-eagle: prompts_file: no such file {cfg.prompts_file}")
-    positive = ("num_prompts", "max_new_tokens", "draft_vocab_size", "steps", "batch_size", "checkpoint_every")
-    for key in (*positive, "keep_checkpoints"):
+    positive = (
+        "num_prompts", "max_new_tokens", "draft_vocab_size", "steps", "batch_size", "lr", "ttt_steps", "grad_clip",
+        "checkpoint_every", "keep_checkpoints", "generation_batch",
+    )  # fmt: skip
+    for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"train-eagle: {key} must be positive, got {getattr(cfg, key)}")
+    for key in ("warmup_steps", "temperature"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"train-eagle: {key} must be >= 0, got {getattr(cfg, key)}")
     if cfg.export_dtype not in DTYPES:
         raise ConfigError(f"train-eagle: export_dtype must be one of {', '.join(DTYPES)}, got {cfg.export_dtype!r}")
     return cfg
