@@ -198,7 +198,7 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}") from None
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}")
     return value
