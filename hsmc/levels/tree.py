@@ -68,7 +68,8 @@ Children = Callable[[int, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, 
 
 
 def top_children(depth: int, parents: torch.Tensor, logq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-k tokens of each law: a deterministic tree (`target_only`, a greedy drafter)."""
+    """The top-k tokens of each law: a deterministic tree (`target_only`, a greedy drafter), torch's top-k on every
+    device so that greedy trees on CUDA keep the CPU's tokens (ties included)."""
     top = logq.topk(k, dim=-1)
     return top.indices, top.values
 

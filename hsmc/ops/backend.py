@@ -159,10 +159,11 @@ class Backend(Protocol):
         in float64 (the SMC weights' precision); -inf for a row with nothing kept."""
         ...
 
-    def draw_children(self, logq: torch.Tensor, k: int, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """k children per drafter law logq [..., V] and the slot log-probabilities (the k largest logq,
-        descending): (int64 [..., k], float32 [..., k]). With keys [...] the children are k draws without
-        replacement, in draw order (Gumbel-top-k, noise keyed by keys alone); without, the top-k tokens."""
+    def draw_children(self, logq: torch.Tensor, k: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k children per drafter law logq [..., V], drawn without replacement in draw order (Gumbel-top-k, the
+        noise keyed by keys [...] alone), and the slot log-probabilities (the k largest logq, descending):
+        (int64 [..., k], float32 [..., k]). A deterministic tree's children are torch's top-k on every device
+        (`levels.tree.top_children`)."""
         ...
 
     def tree_walk(
@@ -333,11 +334,8 @@ class TorchBackend:
         kept = logits.float() >= floor[:, None]
         return torch.logsumexp(torch.where(kept, logits.double() * scale[:, None], float("-inf")), -1)
 
-    def draw_children(self, logq: torch.Tensor, k: int, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        top = logq.topk(k, dim=-1)
-        if keys is None:
-            return top.indices, top.values
-        return (logq + gumbel(keys, logq.shape[-1])).topk(k, dim=-1).indices, top.values
+    def draw_children(self, logq: torch.Tensor, k: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (logq + gumbel(keys, logq.shape[-1])).topk(k, dim=-1).indices, logq.topk(k, dim=-1).values
 
     def tree_walk(
         self,

@@ -154,10 +154,7 @@ class TritonBackend:
     def logsumexp_rows(self, logits: torch.Tensor, scale: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
         return vocab.logsumexp_rows(logits, scale.double(), floor.float())
 
-    def draw_children(self, logq: torch.Tensor, k: int, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if keys is None:  # torch's top-k, as the CPU's: greedy trees stay token-identical (ties included)
-            top = logq.topk(k, dim=-1)
-            return top.indices, top.values
+    def draw_children(self, logq: torch.Tensor, k: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab.gumbel_top_k(logq, keys, k)
 
     def tree_walk(
