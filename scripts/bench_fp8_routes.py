@@ -1,8 +1,9 @@
 """Batched FP8 SMC-SD at the compute bound (issue 30 item 6): the FP8 8B -> FP8 32B stack (N = 8, K = 8, FP8
-activations) at 1 and 16 requests, in one run with the FP8-activation GEMMs on Triton's w8a8 kernel (the route before
-cuBLASLt's block-scaled GEMM) and on the routes this GPU's tuning file picks, each against its weight-read bound.
+activations) at 1 and 16 requests, in one run with the FP8-activation GEMMs on cuBLASLt's block-scaled GEMM alone and
+on the routes this GPU's tuning file picks (flashinfer's GEMM where it measured faster, if installed), each against
+its weight-read bound; `--triton` adds Triton's w8a8 kernel (the route before cuBLASLt's).
 
-    python scripts/bench_fp8_routes.py [--batch 1,16] [--new-tokens 128] [--out DIR]
+    python scripts/bench_fp8_routes.py [--batch 1,16] [--new-tokens 128] [--triton] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,16")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--triton", action="store_true", help="also run the FP8-activation GEMMs on Triton's kernel")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     router = router_for(torch.device("cuda"))
     tuned = router.tuning
-    print(f"tuning: {tuned.source}; block-scaled FP8 rows: {tuned.fp8_block_scaled}")
+    on_flashinfer = len(tuned.fp8_flashinfer.gemms) if tuned.fp8_flashinfer else 0
+    print(f"tuning: {tuned.source}; FP8 block-scaled: {tuned.fp8_block_scaled}; on flashinfer: {on_flashinfer}")
+    variants = [("cuBLASLt", dataclasses.replace(tuned, fp8_flashinfer=None)), ("tuned", tuned)]
+    if args.triton:
+        variants.insert(0, ("triton w8a8", dataclasses.replace(tuned, fp8_block_scaled=None, fp8_flashinfer=None)))
     out = {}
-    for label, tuning in (("triton w8a8", dataclasses.replace(tuned, fp8_block_scaled=None)), ("tuned", tuned)):
+    for label, tuning in variants:
         router.tuning = tuning
         router._routes.clear()
         config = load_config(CONFIG, OVERRIDES)

@@ -4,8 +4,10 @@ log line, the packaged files against the schema, and `hsmc tune-kernels` without
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import types
 from importlib import resources
 
 import pytest
@@ -19,7 +21,7 @@ from hsmc.models.config import DecoderConfig  # noqa: E402
 from hsmc.models.decoder import DecoderLM  # noqa: E402
 from hsmc.models.parallel import TensorParallel  # noqa: E402
 from hsmc.models.shapes import hf_config  # noqa: E402
-from hsmc.ops import split_k  # noqa: E402
+from hsmc.ops import flashinfer_gemm, split_k  # noqa: E402
 from hsmc.ops.decode_linear import DecodeLinearPlan  # noqa: E402
 from hsmc.ops.few_row_linear import FewRowPlan  # noqa: E402
 from hsmc.ops.fp8_linear import Fp8Linear  # noqa: E402
@@ -27,6 +29,7 @@ from hsmc.ops.kernel_tuning import (  # noqa: E402
     DEFAULTS,
     BlockScaledRows,
     KernelTuning,
+    LibraryGemms,
     Versions,
     format_tuning,
     packaged_tunings,
@@ -50,6 +53,8 @@ SCHEMA_KEYS = {
     "padded_rows",
     "fp8_weight_only_max_rows",
     "fp8_block_scaled",
+    "fp8_flashinfer_version",
+    "fp8_flashinfer_gemms",
 }
 
 
@@ -145,8 +150,59 @@ def test_tuning_routes_fp8_linears():
     assert route(router, 1, fp8(10240, 5120, False, (4, 128))) == Route(Kernel.FP8_TRITON, 1)  # tiles > block
 
 
+@pytest.fixture
+def flashinfer_installed(monkeypatch):
+    """flashinfer 0.7.4 installed and its GEMM supported on the (pretend) Hopper GPU; its version check's log line
+    fresh for the test."""
+    monkeypatch.setattr(flashinfer_gemm, "installed_version", lambda: "0.7.4")
+    monkeypatch.setattr(flashinfer_gemm, "supported", lambda n, k, device: n % 64 == 0 and k % 128 == 0)
+    flashinfer_gemm.usable.cache_clear()
+    yield monkeypatch
+    flashinfer_gemm.usable.cache_clear()
+
+
+def test_fp8_gemms_the_tuning_measured_faster_in_flashinfer_run_there(flashinfer_installed):
+    """The listed (N, K, rows) only, with rows padded to flashinfer's multiple of 4; other rows and shapes keep
+    cuBLASLt (or Triton below its threshold)."""
+    tuning = dataclasses.replace(
+        TUNED,
+        fp8_block_scaled=BlockScaledRows(2, 4),
+        fp8_flashinfer=LibraryGemms("0.7.4", frozenset({(6144, 4096, 8), (6144, 4096, 126), (4096, 4096, 128)})),
+    )
+    router = LinearRouter(tuning, CUDA)
+    qkv, o = fp8(6144, 4096, dynamic=True), fp8(4096, 4096, dynamic=True)
+    assert route(router, 8, qkv) == Route(Kernel.FP8_ACT_FLASHINFER, 8)
+    assert route(router, 126, qkv) == Route(Kernel.FP8_ACT_FLASHINFER, 128)
+    assert route(router, 128, qkv) == Route(Kernel.FP8_ACT_CUBLASLT, 128)
+    assert route(router, 128, o) == Route(Kernel.FP8_ACT_FLASHINFER, 128)
+    assert route(router, 8, o) == Route(Kernel.FP8_ACT_CUBLASLT, 8)
+    assert route(router, 1, qkv) == Route(Kernel.ONE_ROW, 1)  # one row stays weight-only
+    assert route(router, 8, fp8(6144, 4096, dynamic=False)) == Route(Kernel.FP8_TRITON, 8)
+    assert route(router, 8, qkv, dtype=torch.float16) == Route(Kernel.FP8_ACT_TRITON, 8)  # bf16 output only
+
+
+@pytest.mark.parametrize("installed", ["0.7.3", None])
+def test_fp8_gemms_measured_with_another_flashinfer_stay_on_cublaslt_with_one_log_line(
+    flashinfer_installed, installed, caplog
+):
+    flashinfer_installed.setattr(flashinfer_gemm, "installed_version", lambda: installed)
+    tuning = dataclasses.replace(
+        TUNED,
+        fp8_block_scaled=BlockScaledRows(2, 4),
+        fp8_flashinfer=LibraryGemms("0.7.4", frozenset({(6144, 4096, 8), (4096, 4096, 8)})),
+        source="h.json",
+    )
+    router = LinearRouter(tuning, CUDA)
+    with caplog.at_level(logging.WARNING, logger="hsmc.ops.flashinfer_gemm"):
+        assert route(router, 8, fp8(6144, 4096, dynamic=True)) == Route(Kernel.FP8_ACT_CUBLASLT, 8)
+        assert route(router, 8, fp8(4096, 4096, dynamic=True)) == Route(Kernel.FP8_ACT_CUBLASLT, 8)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "h.json routes FP8 GEMMs to flashinfer 0.7.4" in line and "they run on cuBLASLt" in line
+    assert (f"flashinfer {installed} is installed" if installed else "flashinfer is not installed") in line
+
+
 @pytest.mark.parametrize("name", [H100, "NVIDIA H200"])
-def test_packaged_file_routes_as_its_entries_say(name, monkeypatch):
+def test_packaged_file_routes_as_its_entries_say(name, monkeypatch, flashinfer_installed):
     """Whatever a packaged file holds, the router follows it: its few-row plans, cuBLASLt GEMMs, padded rows and the
     block-scaled FP8 threshold."""
     monkeypatch.setattr(split_k, "multiprocessors", lambda device: 132)
@@ -160,10 +216,19 @@ def test_packaged_file_routes_as_its_entries_say(name, monkeypatch):
         assert route(router, rows, dense(n, k)).cublaslt
     for (n, k, rows), run in tuning.padded_rows.items():
         assert route(router, rows, dense(n, k), norm_fed=True).run_rows == run
+    if tuning.fp8_flashinfer is not None:
+        flashinfer_installed.setattr(flashinfer_gemm, "installed_version", lambda: tuning.fp8_flashinfer.version)
+    on_flashinfer = tuning.fp8_flashinfer.gemms if tuning.fp8_flashinfer else frozenset()
     if tuning.fp8_block_scaled is not None:
         least, multiple = tuning.fp8_block_scaled.min_rows, tuning.fp8_block_scaled.row_multiple
-        qkv = fp8(10240, 5120, dynamic=True)
-        assert route(router, least, qkv) == Route(Kernel.FP8_ACT_CUBLASLT, -(-least // multiple) * multiple)
+        for rows in range(least, 1153):
+            if (10240, 5120, rows) not in on_flashinfer:
+                qkv = fp8(10240, 5120, dynamic=True)
+                assert route(router, rows, qkv) == Route(Kernel.FP8_ACT_CUBLASLT, -(-rows // multiple) * multiple)
+                break
+    if on_flashinfer:
+        for n, k, rows in on_flashinfer:
+            assert route(router, rows, fp8(n, k, dynamic=True)) == Route(Kernel.FP8_ACT_FLASHINFER, -(-rows // 4) * 4)
 
 
 def test_cpu_runs_fp8_on_the_reference_and_routes_are_cached():
@@ -211,6 +276,11 @@ def test_packaged_files_parse_match_the_schema_and_round_trip(tmp_path):
     (tmp_path / "broken.json").write_text(json.dumps(broken))
     with pytest.raises(ValueError, match="broken.json.*padded_rows"):
         read_tuning(tmp_path / "broken.json")
+    unversioned = {**json.loads(files[0].read_text()), "fp8_flashinfer_version": None}
+    unversioned["fp8_flashinfer_gemms"] = [{"n": 4096, "k": 4096, "rows": 8}]
+    (tmp_path / "unversioned.json").write_text(json.dumps(unversioned))
+    with pytest.raises(ValueError, match="unversioned.json: fp8_flashinfer_gemms need fp8_flashinfer_version"):
+        read_tuning(tmp_path / "unversioned.json")
 
 
 def test_the_tuned_shapes_of_a_tensor_parallel_size_are_those_its_ranks_run():
@@ -260,6 +330,41 @@ def test_the_sweep_records_a_one_row_plan_only_where_it_beats_the_default(monkey
     assert len(timed[4096]) == len(timed[3072]) == 1 + len(tune_kernels.ONE_ROW_CANDIDATES)
     assert {(i["norm"], i["silu"]) for _, i in timed[3072]} == {(False, True)}
     assert {(i["norm"], i["silu"]) for _, i in timed[4096]} == {(True, False)}
+
+
+def test_the_sweep_sends_an_fp8_gemm_to_flashinfer_only_where_it_beats_cublaslt(monkeypatch):
+    """`_flashinfer_gemms` with timings given: an (N, K, rows) is recorded at most FASTER of cuBLASLt's time, each
+    side on the rows it runs (cuBLASLt's multiple, flashinfer's 4), rows below cuBLASLt's threshold not timed; none
+    without flashinfer or without cuBLASLt's block-scaled GEMM."""
+    from hsmc.ops import tune_kernels
+
+    monkeypatch.setattr(flashinfer_gemm, "installed_version", lambda: "0.7.4")
+    monkeypatch.setattr(tune_kernels, "_inputs", lambda rows, linear, norm, silu=False: {"rows": rows})
+    linears = {"qwen3-8b o": (4096, 4096, False), "qwen3-8b qkv": (6144, 4096, True)}
+    modules = {name: fp8(n, k, dynamic=True) for name, (n, k, _) in linears.items()}
+    timed = []
+
+    def fake_time(bench, route, linear, inputs):
+        timed.append((linear.weight.shape[0], inputs["rows"], route))
+        if route.kernel is Kernel.FP8_ACT_CUBLASLT:
+            return 1.0
+        return 0.9 if linear.weight.shape[0] == 4096 and inputs["rows"] <= 128 else 0.99
+
+    monkeypatch.setattr(tune_kernels, "_time", fake_time)
+    bar_steps = []
+    bench = types.SimpleNamespace(bar=types.SimpleNamespace(update=bar_steps.append))
+    got = tune_kernels._flashinfer_gemms(bench, linears, modules, BlockScaledRows(8, 16))
+    timed_rows = [r for r in tune_kernels.FP8_ACT_ROWS if r >= 8]
+    assert got == LibraryGemms("0.7.4", frozenset((4096, 4096, r) for r in timed_rows if r <= 128))
+    assert len(timed) == 2 * 2 * len(timed_rows) and sum(bar_steps) == 2 * 2 * (
+        len(tune_kernels.FP8_ACT_ROWS) - len(timed_rows)
+    )
+    for _, rows, route in timed:
+        multiple = 16 if route.kernel is Kernel.FP8_ACT_CUBLASLT else 4
+        assert route.run_rows == -(-rows // multiple) * multiple
+    assert tune_kernels._flashinfer_gemms(bench, linears, modules, None) is None
+    monkeypatch.setattr(flashinfer_gemm, "installed_version", lambda: None)
+    assert tune_kernels._flashinfer_gemms(bench, linears, modules, BlockScaledRows(8, 16)) is None
 
 
 def test_tune_kernels_refuses_a_tensor_parallel_size_the_heads_do_not_divide(capsys):
@@ -327,3 +432,54 @@ def test_routes_that_run_on_the_cpu_give_the_reference_result(fp8_weight, route,
             want = reference.silu_linear(x, linear, residual)
     assert got.shape == want.shape == (rows, 1, n)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+class ReadsLikeFlashinfer:
+    """A stand-in for flashinfer's GEMM module that reads its operands as its kernels do: rows padded to 4, the
+    activation scales column-major with a leading dimension of those rows, the weight scales per 128 x 128 block."""
+
+    def run_gemm(self, q, weight, out, q_scale, scale) -> None:
+        from hsmc.ops.fp8_linear import dequantize_fp8
+
+        rows, k = q.shape
+        assert rows % 4 == 0 and q_scale.stride() == (1, rows)
+        scales = torch.as_strided(q_scale, (k // 128, rows), (rows, 1)).t()  # as the kernel walks its memory
+        out.copy_(
+            (q.float() * scales.repeat_interleave(128, 1)) @ dequantize_fp8(weight, scale, (128, 128), torch.float32).T
+        )
+
+
+@pytest.mark.parametrize("step", ["linear", "norm", "silu"])
+def test_the_flashinfer_route_hands_its_gemm_the_operands_its_kernels_read(step, monkeypatch):
+    """The route's prologue (RMSNorm / SiLU·mul / none) quantized into rows padded to 4 with column-major scales, the
+    product of those operands in bf16, the residual added: what the same prologue, `quantize_groups` and the
+    product give. A row-major scale layout (cuBLASLt's and flashinfer's differ from Triton's) fails here."""
+    from hsmc.ops import fused
+    from hsmc.ops.fp8_gemm import quantize_groups
+    from hsmc.ops.fp8_linear import dequantize_fp8, quantize_fp8
+    from hsmc.ops.triton_backend import run_route
+
+    monkeypatch.setattr(flashinfer_gemm, "_runner", lambda device: (ReadsLikeFlashinfer(), None))
+    torch.manual_seed(0)
+    rows, n, k = 3, 256, 512
+    linear = Fp8Linear(k, n, False, (128, 128))
+    linear.weight.data, linear.weight_scale_inv.data = quantize_fp8(torch.randn(n, k) / k**0.5, (128, 128))
+    linear.dynamic_activations = True
+    x = torch.randn(rows, 2 * k if step == "silu" else k).bfloat16()
+    norm = ((torch.rand(k) + 0.5).bfloat16(), 1e-6)
+    residual = torch.randn(rows, n).bfloat16()
+    route = Route(Kernel.FP8_ACT_FLASHINFER, 4)
+    with torch.no_grad():
+        if step == "norm":
+            got, h = run_route(route, x, linear, norm=norm), fused.rms_norm(x, *norm)
+        else:
+            got = run_route(route, x, linear, silu_mul=step == "silu", residual=residual.clone())
+            h = fused.silu_mul(x) if step == "silu" else x
+        q, scale = quantize_groups(h, 128)
+        want = (
+            (q.float() * scale.repeat_interleave(128, 1))
+            @ dequantize_fp8(linear.weight, linear.weight_scale_inv, (128, 128), torch.float32).T
+        ).bfloat16()
+        want = want if step == "norm" else residual + want
+    assert got.shape == (rows, n)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2

@@ -19,7 +19,7 @@ import torch
 from hsmc.ops.decode_linear import DecodeLinearPlan
 from hsmc.ops.few_row_linear import FewRowPlan
 
-SCHEMA_VERSION = 2  # 2: one_row_plans
+SCHEMA_VERSION = 3  # 2: one_row_plans; 3: fp8_flashinfer_version / fp8_flashinfer_gemms
 log = logging.getLogger(__name__)
 
 
@@ -30,6 +30,15 @@ class BlockScaledRows:
 
     min_rows: int
     row_multiple: int
+
+
+@dataclass(frozen=True)
+class LibraryGemms:
+    """GEMMs (N, K, rows) measured faster in an optional library than in the default route, and the library's version
+    they were measured with: with another version, or none, installed they run the default."""
+
+    version: str
+    gemms: frozenset[tuple[int, int, int]]
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class KernelTuning:
     padded_rows: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (N, K, rows) -> rows to run
     fp8_weight_only_max_rows: int = 256  # FP8 weights, bf16 activations: Triton GEMM up to here, then cuBLAS
     fp8_block_scaled: BlockScaledRows | None = None  # None: FP8 activations always run the Triton GEMM
+    fp8_flashinfer: LibraryGemms | None = None  # FP8-activation GEMMs faster in flashinfer than in cuBLASLt
     source: str = "defaults"  # the file it was read from
 
     def to_json(self) -> dict[str, Any]:
@@ -74,6 +84,11 @@ class KernelTuning:
             "padded_rows": [{"n": n, "k": k, "rows": m, "run_rows": r} for (n, k, m), r in self.padded_rows.items()],
             "fp8_weight_only_max_rows": self.fp8_weight_only_max_rows,
             "fp8_block_scaled": asdict(self.fp8_block_scaled) if self.fp8_block_scaled else None,
+            "fp8_flashinfer_version": self.fp8_flashinfer.version if self.fp8_flashinfer else None,
+            "fp8_flashinfer_gemms": [
+                {"n": n, "k": k, "rows": m}
+                for n, k, m in sorted(self.fp8_flashinfer.gemms if self.fp8_flashinfer else ())
+            ],
         }
 
     @classmethod
@@ -86,6 +101,10 @@ class KernelTuning:
             if len(capability) != 2 or not all(isinstance(c, int) for c in capability):
                 raise ValueError(f"device.capability {capability!r} is not [major, minor]")
             scaled = data["fp8_block_scaled"]
+            flashinfer = data["fp8_flashinfer_version"]
+            flashinfer_gemms = frozenset((e["n"], e["k"], e["rows"]) for e in data["fp8_flashinfer_gemms"])
+            if flashinfer_gemms and (flashinfer is None or scaled is None):
+                raise ValueError("fp8_flashinfer_gemms need fp8_flashinfer_version and fp8_block_scaled")
             tuning = cls(
                 device_name=str(data["device"]["name"]),
                 capability=(capability[0], capability[1]),
@@ -107,6 +126,7 @@ class KernelTuning:
                 padded_rows={(e["n"], e["k"], e["rows"]): e["run_rows"] for e in data["padded_rows"]},
                 fp8_weight_only_max_rows=int(data["fp8_weight_only_max_rows"]),
                 fp8_block_scaled=BlockScaledRows(**scaled) if scaled is not None else None,
+                fp8_flashinfer=LibraryGemms(str(flashinfer), flashinfer_gemms) if flashinfer is not None else None,
                 source=source,
             )
         except (KeyError, TypeError) as e:

@@ -6,7 +6,8 @@ Why these routes: one row is bound by reading the weight and runs the fused one-
 and the few-row kernel reads the weight on the tensor cores with the rows padded to one tile; more rows are
 GEMMs, where the vendor libraries win (which library, and at how many rows, is measured per GPU). FP8 weights
 keep their bytes halved through the Triton GEMMs; FP8 activations (`engine.fp8_activations`) go to the FP8 tensor
-cores, through cuBLASLt's block-scaled GEMM where the tuning measured it faster."""
+cores, through cuBLASLt's block-scaled GEMM where the tuning measured it faster than Triton, and through flashinfer's
+(`flashinfer_gemm.py`, optional) for the shapes and rows where it measured faster than cuBLASLt."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from functools import cache
 import torch
 from torch import nn
 
+from hsmc.ops import flashinfer_gemm
 from hsmc.ops.decode_linear import DecodeLinearPlan
 from hsmc.ops.few_row_linear import MAX_ROWS, FewRowPlan, default_few_row_plan
 from hsmc.ops.fp8_gemm import block_scaled_supported
@@ -35,6 +37,7 @@ class Kernel(str, Enum):
     FP8_DEQUANTIZED = "fp8_dequantized"  # the weight dequantized, then torch's GEMM (many rows; the CPU)
     FP8_ACT_TRITON = "fp8_act_triton"  # quantize_groups (in the prologue's kernel) + w8a8_matmul: FP8 x FP8 in Triton
     FP8_ACT_CUBLASLT = "fp8_act_cublaslt"  # the same quantizers + block_scaled_matmul (cuBLASLt's block-scaled GEMM)
+    FP8_ACT_FLASHINFER = "fp8_act_flashinfer"  # the same quantizers + flashinfer_block_scaled_matmul
     FP8_ACT_REFERENCE = "fp8_act_reference"  # quantize_activations + the dequantized GEMM (the CPU)
 
 
@@ -98,11 +101,24 @@ class LinearRouter:
         if quantize:
             scaled = self.tuning.fp8_block_scaled
             if scaled is not None and rows >= scaled.min_rows and block_scaled_supported(n, k, block, dtype):
+                if self._flashinfer_faster(n, k, rows):
+                    multiple = flashinfer_gemm.ROW_MULTIPLE
+                    return Route(Kernel.FP8_ACT_FLASHINFER, -(-rows // multiple) * multiple)
                 return Route(Kernel.FP8_ACT_CUBLASLT, -(-rows // scaled.row_multiple) * scaled.row_multiple)
             return Route(Kernel.FP8_ACT_TRITON, rows)
         if rows <= self.tuning.fp8_weight_only_max_rows:
             return Route(Kernel.FP8_TRITON, rows)
         return Route(Kernel.FP8_DEQUANTIZED, rows)
+
+    def _flashinfer_faster(self, n: int, k: int, rows: int) -> bool:
+        """The tuning measured this GEMM faster in flashinfer, and that flashinfer is installed."""
+        measured = self.tuning.fp8_flashinfer
+        return (
+            measured is not None
+            and (n, k, rows) in measured.gemms
+            and flashinfer_gemm.supported(n, k, self.device)
+            and flashinfer_gemm.usable(measured.version, self.tuning.source)
+        )
 
 
 def router_for(device: torch.device) -> LinearRouter:

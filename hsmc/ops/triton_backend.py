@@ -19,6 +19,7 @@ from hsmc.ops.backend import BAD_ROLLBACK, OUT_OF_SLOTS, OVER_RELEASED, ROW_OVER
 from hsmc.ops.batch import ForwardBatch
 from hsmc.ops.decode_linear import decode_linear
 from hsmc.ops.few_row_linear import few_row_linear
+from hsmc.ops.flashinfer_gemm import flashinfer_block_scaled_matmul
 from hsmc.ops.fp8_gemm import (
     block_scaled_matmul,
     fp8_gemm,
@@ -196,7 +197,7 @@ def run_route(
     n, k = linear.weight.shape
     rows = x.numel() // x.shape[-1]
     residual = residual.reshape(rows, n) if residual is not None else None
-    if route.kernel in (Kernel.FP8_ACT_TRITON, Kernel.FP8_ACT_CUBLASLT):
+    if route.kernel in (Kernel.FP8_ACT_TRITON, Kernel.FP8_ACT_CUBLASLT, Kernel.FP8_ACT_FLASHINFER):
         q, q_scale = _quantized_prologue(route, x, linear, norm, silu_mul)
         out = _fp8_act_gemm(route, q, q_scale, linear, x.dtype, rows, residual)
         return out.view(*x.shape[:-1], n)
@@ -214,9 +215,9 @@ def _quantized_prologue(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """prologue(x) (x without one) quantized per row and scale block of columns, in the prologue's kernel where
     there is one (the normalized or gated rows never go through memory in bf16): e4m3 rows and their scales laid
-    out for the route's GEMM (cuBLASLt: `run_rows` tall, column-major scales)."""
+    out for the route's GEMM (cuBLASLt, flashinfer: `run_rows` tall, column-major scales)."""
     group = linear.block[1]
-    layout = dict(rows=route.run_rows, column_major_scales=route.kernel is Kernel.FP8_ACT_CUBLASLT)
+    layout = dict(rows=route.run_rows, column_major_scales=route.kernel is not Kernel.FP8_ACT_TRITON)
     if norm is not None:
         return rms_norm_quantize(x, *norm, group, **layout)
     if silu_mul:
@@ -240,7 +241,10 @@ def _fp8_act_gemm(
             return w8a8_matmul(q, q_scale, weight, scale, linear.block, dtype, residual=residual)
         out = w8a8_matmul(q, q_scale, weight, scale, linear.block, dtype) + bias
     else:
-        out = block_scaled_matmul(q, q_scale, weight, scale, dtype, rows)
+        if route.kernel is Kernel.FP8_ACT_FLASHINFER:  # bf16 only, as the router sends it
+            out = flashinfer_block_scaled_matmul(q, q_scale, weight, scale, rows)
+        else:
+            out = block_scaled_matmul(q, q_scale, weight, scale, dtype, rows)
         out = out + bias if bias is not None else out
     return out if residual is None else residual + out
 

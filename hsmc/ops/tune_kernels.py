@@ -22,11 +22,19 @@ from hsmc.models.config import DecoderConfig
 from hsmc.models.decoder import DecoderLM
 from hsmc.models.parallel import TensorParallel
 from hsmc.models.shapes import RANDOM_PREFIX, hf_config
+from hsmc.ops import flashinfer_gemm
 from hsmc.ops.decode_linear import DecodeLinearPlan
 from hsmc.ops.few_row_linear import FewRowPlan, default_few_row_plan
 from hsmc.ops.fp8_gemm import block_scaled_gemm, w8a8_gemm
 from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, quantize_fp8
-from hsmc.ops.kernel_tuning import DEFAULTS, BlockScaledRows, KernelTuning, current_versions, format_tuning
+from hsmc.ops.kernel_tuning import (
+    DEFAULTS,
+    BlockScaledRows,
+    KernelTuning,
+    LibraryGemms,
+    current_versions,
+    format_tuning,
+)
 from hsmc.ops.linear_router import Kernel, Route
 from hsmc.ops.triton_backend import run_route
 
@@ -113,6 +121,10 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
     has_fp8 = torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
     fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not name.endswith("lm_head")}
     shapes = len(linears)
+    flashinfer = [
+        name for name, (n, k, _) in linears.items() if name in fp8 and flashinfer_gemm.supported(n, k, device)
+    ]
+    flashinfer = flashinfer if flashinfer_gemm.installed_version() else []
     bench = _Bench(
         sum(len(_one_row_candidates(name, norm)) + 1 for name, (*_, norm) in linears.items())
         + shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
@@ -120,6 +132,7 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
         + shapes * len(GEMM_ROWS) * 2
         + sum(norm for *_, norm in linears.values()) * len(PAD_ROWS) * (len(PAD_STEPS) + 1)
         + len(fp8) * (len(FP8_WEIGHT_ONLY_ROWS) + len(FP8_ACT_ROWS)) * 2
+        + len(flashinfer) * len(FP8_ACT_ROWS) * 2
     )
     with torch.no_grad():
         one_row_plans = _one_row_plans(bench, linears, dense)
@@ -128,6 +141,7 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
         padded = _padded_rows(bench, linears, dense, cublaslt)
         weight_only_max = _fp8_weight_only_max_rows(bench, linears, fp8) if fp8 else DEFAULTS.fp8_weight_only_max_rows
         block_scaled = _block_scaled_rows(bench, linears, fp8, device) if fp8 else None
+        on_flashinfer = _flashinfer_gemms(bench, linears, {n: fp8[n] for n in flashinfer}, block_scaled)
     bench.bar.close()
     index = device.index
     tuning = KernelTuning(
@@ -141,6 +155,7 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
         padded,
         weight_only_max,
         block_scaled,
+        on_flashinfer,
     )
     labels = {(n, k): name for name, (n, k, _) in linears.items()}
     return tuning, format_tuning(tuning, labels)
@@ -283,6 +298,30 @@ def _block_scaled_rows(
         wins.append(cublaslt_ms <= FASTER * triton_ms)
     first = next((i for i in range(len(wins)) if all(wins[i:])), None)
     return BlockScaledRows(FP8_ACT_ROWS[first], multiple) if first is not None else None
+
+
+def _flashinfer_gemms(
+    bench: _Bench, linears: Linears, fp8: dict[str, Fp8Linear], block_scaled: BlockScaledRows | None
+) -> LibraryGemms | None:
+    """FP8-activation GEMMs (N, K, rows) that flashinfer runs faster than cuBLASLt, with the version measured (None:
+    flashinfer not installed, or cuBLASLt's block-scaled GEMM unused on this GPU)."""
+    version = flashinfer_gemm.installed_version()
+    if version is None or block_scaled is None or not fp8:
+        return None
+    faster = set()
+    for name, linear in fp8.items():
+        n, k, norm = linears[name]
+        for rows in FP8_ACT_ROWS:
+            if rows < block_scaled.min_rows:  # counted in the bar's total: two timings each
+                bench.bar.update(2)
+                continue
+            inputs = _inputs(rows, linear, norm)
+            cublaslt_rows = -(-rows // block_scaled.row_multiple) * block_scaled.row_multiple
+            cublaslt_ms = _time(bench, Route(Kernel.FP8_ACT_CUBLASLT, cublaslt_rows), linear, inputs)
+            flashinfer_rows = -(-rows // flashinfer_gemm.ROW_MULTIPLE) * flashinfer_gemm.ROW_MULTIPLE
+            if _time(bench, Route(Kernel.FP8_ACT_FLASHINFER, flashinfer_rows), linear, inputs) <= FASTER * cublaslt_ms:
+                faster.add((n, k, rows))
+    return LibraryGemms(version, frozenset(faster))
 
 
 def _scaled_mm_row_multiple(device: torch.device) -> int | None:

@@ -13,7 +13,8 @@ import torch
 from test_eagle_checkpoint import published_layout
 from test_fp8 import reference_groups
 
-from hsmc.ops import fused
+from hsmc.ops import flashinfer_gemm, fused
+from hsmc.ops.flashinfer_gemm import flashinfer_block_scaled_matmul
 from hsmc.ops.fp8_gemm import block_scaled_gemm, quantize_groups, rms_norm_quantize, silu_mul_quantize, w8a8_gemm
 from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, dequantize_fp8, quantize_activations, quantize_fp8
 from hsmc.ops.linear_router import Kernel, Route
@@ -102,17 +103,59 @@ def test_fp8_activation_gemm_equals_the_product_of_quantized_operands(linear_32b
     assert relative_error(got, x.float() @ dense.T) > ROUNDING  # quantized (measured 1.2e-2..2.6e-2 off the bf16 input)
 
 
+def needs_flashinfer() -> None:
+    if torch.cuda.get_device_capability() != flashinfer_gemm.CAPABILITY:
+        pytest.skip("flashinfer's block-scaled FP8 GEMM runs on Hopper (compute capability 9.0)")
+    if flashinfer_gemm.installed_version() is None:
+        pytest.skip('flashinfer is not installed (pip install "hsmc[flashinfer]")')
+
+
+@pytest.mark.parametrize("rows", [2, 8, 72, 126, 144, 1152])
+def test_flashinfer_fp8_gemm_equals_the_product_of_quantized_operands(linear_32b, rows):
+    """The flashinfer route on the 32B's Linears (rows padded to 4, scales column-major): the fp32 product of the
+    dequantized operands within two roundings, eagerly and replayed from a CUDA graph (the same bits)."""
+    needs_flashinfer()
+    w, s, dense = linear_32b
+    x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+    linear = Fp8Linear.of(w, s, QWEN_BLOCK, dynamic_activations=True)
+    route = Route(Kernel.FP8_ACT_FLASHINFER, -(-rows // 4) * 4)
+    got = run_route(route, x, linear)
+    assert got.shape == (rows, w.shape[0])
+    assert relative_error(got, quantize_activations(x.float(), 128) @ dense.T) < ROUNDING
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = run_route(route, x, linear)
+    replayed.zero_()
+    graph.replay()
+    assert torch.equal(replayed, got)
+
+
+def test_flashinfer_fp8_gemm_refuses_scales_cublaslt_would_not_read():
+    needs_flashinfer()
+    w, s = quantize_fp8(torch.randn(256, 512, device="cuda", dtype=torch.bfloat16), QWEN_BLOCK)
+    x = torch.randn(6, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows padded to 4 and column-major scales"):
+        flashinfer_block_scaled_matmul(*quantize_groups(x, 128), w, s, 6)
+
+
 PROLOGUES_32B = {"qkv": "norm", "o": None, "gate_up": "norm", "down": "silu"}  # o and down add the residual
+FP8_ACT_KERNELS = {
+    "triton": Kernel.FP8_ACT_TRITON,
+    "cublaslt": Kernel.FP8_ACT_CUBLASLT,
+    "flashinfer": Kernel.FP8_ACT_FLASHINFER,
+}
 
 
-@pytest.mark.parametrize("kernel", [Kernel.FP8_ACT_TRITON, Kernel.FP8_ACT_CUBLASLT], ids=["triton", "cublaslt"])
+@pytest.mark.parametrize("kernel", list(FP8_ACT_KERNELS.values()), ids=list(FP8_ACT_KERNELS))
 @pytest.mark.parametrize("rows", [2, 144, 1152])
 def test_fp8_activation_routes_with_a_fused_prologue_give_the_unfused_bits(linear_32b, kernel, rows):
     """Each FP8-activation route on the 32B's Linears, its quantizer in the RMSNorm / SiLU·mul kernel, against
     the kernels it replaces (the prologue writing bf16 rows, `quantize_groups`, the same GEMM): equal bits.
-    cuBLASLt runs 16-row multiples (every row multiple it accepts divides 16)."""
+    cuBLASLt runs 16-row multiples (every row multiple it accepts divides 16), flashinfer multiples of 4."""
     if kernel is Kernel.FP8_ACT_CUBLASLT and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("cuBLASLt's block-scaled FP8 GEMM needs compute capability 9.0 or newer")
+    if kernel is Kernel.FP8_ACT_FLASHINFER:
+        needs_flashinfer()
     w, s, _ = linear_32b
     n, k = w.shape
     prologue = PROLOGUES_32B[next(name for name, shape in LINEARS_32B.items() if shape == (n, k))]
@@ -121,11 +164,16 @@ def test_fp8_activation_routes_with_a_fused_prologue_give_the_unfused_bits(linea
     norm = ((torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16(), 1e-6) if prologue == "norm" else None
     residual = None if norm else torch.randn(rows, n, device="cuda", generator=gen).bfloat16()
     linear = Fp8Linear.of(w, s, QWEN_BLOCK, dynamic_activations=True)
-    route = Route(kernel, -(-rows // 16) * 16 if kernel is Kernel.FP8_ACT_CUBLASLT else rows)
+    multiple = {Kernel.FP8_ACT_CUBLASLT: 16, Kernel.FP8_ACT_FLASHINFER: 4}.get(kernel, 1)
+    route = Route(kernel, -(-rows // multiple) * multiple)
     got = run_route(route, x, linear, norm=norm, silu_mul=prologue == "silu", residual=residual)
     h = fused.rms_norm(x, *norm) if norm else fused.silu_mul(x) if prologue == "silu" else x
     if kernel is Kernel.FP8_ACT_TRITON:
         want = w8a8_gemm(h, w, s, QWEN_BLOCK, residual=residual)
+    elif kernel is Kernel.FP8_ACT_FLASHINFER:
+        q, q_scale = quantize_groups(h, 128, route.run_rows, column_major_scales=True)
+        want = flashinfer_block_scaled_matmul(q, q_scale, w, s, rows)
+        want = want if residual is None else residual + want
     else:
         want = block_scaled_gemm(h, w, s, route.run_rows)
         want = want if residual is None else residual + want

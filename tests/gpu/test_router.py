@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hsmc.models.decoder import RMSNorm
+from hsmc.ops import flashinfer_gemm
 from hsmc.ops.backend import TorchBackend
 from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear, quantize_fp8
 from hsmc.ops.kernel_tuning import DEFAULTS, current_versions, packaged_tunings, tuning_for
@@ -94,7 +95,7 @@ def test_every_route_gives_the_reference_result(modules, name, weights, rows):
     error = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert error < TOLERANCE[weights], f"{route}: relative error {error:.2e}"
     if weights == "fp8-activations" and rows > 1:
-        assert route.kernel in (Kernel.FP8_ACT_TRITON, Kernel.FP8_ACT_CUBLASLT)
+        assert route.kernel in (Kernel.FP8_ACT_TRITON, Kernel.FP8_ACT_CUBLASLT, Kernel.FP8_ACT_FLASHINFER)
 
 
 def test_this_gpu_routes_with_its_packaged_tuning_file():
@@ -132,4 +133,12 @@ def test_this_gpu_routes_with_its_packaged_tuning_file():
             fp8 = Fp8Linear(5120, 10240, False, QWEN_BLOCK)
         fp8.dynamic_activations = True
         rows = tuning.fp8_block_scaled.min_rows
+        flashinfer = tuning.fp8_flashinfer.gemms if tuning.fp8_flashinfer else frozenset()
+        rows = next(r for r in range(rows, 1153) if (10240, 5120, r) not in flashinfer)
         assert router.plan(torch.Size((rows, 5120)), fp8, torch.bfloat16).kernel is Kernel.FP8_ACT_CUBLASLT
+    if tuning.fp8_flashinfer is not None and flashinfer_gemm.usable(tuning.fp8_flashinfer.version, tuning.source):
+        for n, k, rows in tuning.fp8_flashinfer.gemms:
+            with torch.device("meta"):
+                fp8 = Fp8Linear(k, n, False, QWEN_BLOCK)
+            fp8.dynamic_activations = True
+            assert router.plan(torch.Size((rows, k)), fp8, torch.bfloat16).kernel is Kernel.FP8_ACT_FLASHINFER
