@@ -362,9 +362,11 @@ def test_the_sweep_sends_an_fp8_gemm_to_flashinfer_only_where_it_beats_cublaslt(
     for _, rows, route in timed:
         multiple = 16 if route.kernel is Kernel.FP8_ACT_CUBLASLT else 4
         assert route.run_rows == -(-rows // multiple) * multiple
+    bar_steps.clear()
     assert tune_kernels._flashinfer_gemms(bench, linears, modules, None) is None
     monkeypatch.setattr(flashinfer_gemm, "installed_version", lambda: None)
     assert tune_kernels._flashinfer_gemms(bench, linears, modules, BlockScaledRows(8, 16)) is None
+    assert bar_steps == [2 * 2 * len(tune_kernels.FP8_ACT_ROWS)] * 2  # the bar still reaches its total
 
 
 def test_tune_kernels_refuses_a_tensor_parallel_size_the_heads_do_not_divide(capsys):

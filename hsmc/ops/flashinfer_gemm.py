@@ -2,11 +2,12 @@
 shape), an optional route for FP8 activations beside cuBLASLt's.
 
 Why: on an H200 it ran the Qwen3-8B's four Linears at 16-128 rows in 0.60-0.74 of cuBLASLt's time (the SMC proposal
-steps), while cuBLASLt stays ahead at 144 rows and level at 1152 (docs/measurements/2026-11-30-h200-flashinfer-fp8-
-gemm.txt). So where it runs is measured data: `hsmc tune-kernels` records each (N, K, rows) it wins, with the
-flashinfer version it measured (`kernel_tuning.LibraryGemms`); without that version installed those GEMMs stay on
-cuBLASLt. Install with `pip install "hsmc[flashinfer]"`. Its first use builds the module with nvcc (~100 s on an
-H200 host, then cached by flashinfer) and each new GEMM shape compiles in ~2 s (cached by DeepGEMM's JIT)."""
+steps), while cuBLASLt stays ahead at 144 rows and level at 1152
+(docs/measurements/2026-11-30-h200-flashinfer-fp8-gemm.txt). So where it runs is measured data: `hsmc tune-kernels`
+records each (N, K, rows) it wins at the row counts it times, with the flashinfer version measured
+(`kernel_tuning.LibraryGemms`); other row counts, or another version or none installed, stay on cuBLASLt. Install
+with `pip install "hsmc[flashinfer]"`. Its first use builds the module with nvcc (~100 s on an H200 host, then cached
+by flashinfer) and each new GEMM shape compiles in ~2 s (cached by DeepGEMM's JIT)."""
 
 from __future__ import annotations
 
