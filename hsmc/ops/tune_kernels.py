@@ -121,10 +121,11 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
     has_fp8 = torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
     fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not name.endswith("lm_head")}
     shapes = len(linears)
-    flashinfer = [
-        name for name, (n, k, _) in linears.items() if name in fp8 and flashinfer_gemm.supported(n, k, device)
+    flashinfer = [  # FP8 shapes whose GEMM flashinfer can run (none without flashinfer)
+        name
+        for name, (n, k, _) in linears.items()
+        if name in fp8 and flashinfer_gemm.installed_version() and flashinfer_gemm.supported(n, k, device)
     ]
-    flashinfer = flashinfer if flashinfer_gemm.installed_version() else []
     bench = _Bench(
         sum(len(_one_row_candidates(name, norm)) + 1 for name, (*_, norm) in linears.items())
         + shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
