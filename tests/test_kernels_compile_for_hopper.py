@@ -37,7 +37,7 @@ from hsmc.ops.fp8_gemm import (  # noqa: E402
     w8a8_matmul,
 )
 from hsmc.ops.fp8_linear import quantize_fp8  # noqa: E402
-from hsmc.ops.paged_attention import paged_attention, plan_attention  # noqa: E402
+from hsmc.ops.paged_attention import paged_attention, plan_attention, shared_columns  # noqa: E402
 from hsmc.ops.push_all_reduce import BITS, FREE, SLOTS, PushAllReduce  # noqa: E402
 from hsmc.ops.tree_walk import tree_walk  # noqa: E402
 
@@ -162,8 +162,9 @@ def _linears() -> None:
 
 
 def _attention_and_all_reduce() -> None:
-    """A decode row's attention split over its context (the combine kernel), and the push all-reduce as rank 0 of
-    two (the peer's buffer simulated, as tests/test_push_all_reduce.py does)."""
+    """A decode row's attention split over its context (the combine kernel), a run of rows reading their shared
+    prefix once (16- and 32-bit), and the push all-reduce as rank 0 of two (the peer's buffer simulated, as
+    tests/test_push_all_reduce.py does)."""
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 64, 2, 16, generator=g)
     plan = plan_attention(1, 1, 41, 4, 2, 4)
@@ -172,6 +173,15 @@ def _attention_and_all_reduce() -> None:
     paged_attention(
         q, keys, values, torch.arange(64)[None], torch.tensor([0]), start, one, dataclasses.replace(plan, splits=4)
     )
+    for dtype in (torch.float16, torch.float32):  # a run of 4 particles over one prompt's columns, then their own
+        table = torch.cat([torch.arange(30).expand(4, 30), 30 + torch.arange(4 * 10).view(4, 10)], 1)
+        rows, starts = torch.arange(4), torch.tensor([35, 33, 39, 31])
+        shared = shared_columns(table, rows, starts, torch.ones(4, dtype=torch.int64), 4)
+        run_plan = plan_attention(4, 1, 40, 4, 2, 4, run=4)
+        keys16, values16, q4 = keys.to(dtype), values.to(dtype), torch.randn(4, 1, 4, 16, generator=g).to(dtype)
+        paged_attention(
+            q4, keys16, values16, table, rows, starts, torch.ones(4, dtype=torch.int64), run_plan, None, shared
+        )
     for dtype in (torch.bfloat16, torch.float32):
         mine = torch.full((SLOTS, 2, 256), FREE[dtype], dtype=BITS[dtype])
         peer = torch.full_like(mine, FREE[dtype])

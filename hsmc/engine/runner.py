@@ -38,16 +38,19 @@ class ModelRunner:
         num_layers: int,
         cuda_graphs: bool = False,
         scope: GraphScope | None = None,
+        prefix_run: int = 1,
         **module_kwargs: Any,
     ) -> None:
         """`module_kwargs` are fixed arguments of every forward (e.g. `capture` for the layers an EAGLE3
         head reads); `cuda_graphs` replays captured graphs for the shapes that have one; `scope`: the graph
-        scope of the runner's stack (its own without one)."""
+        scope of the runner's stack (its own without one); `prefix_run`: the forwards' rows come in runs of this
+        many that may share leading KV columns (`ForwardBatch.prefix_run`: an SMC stack's particles)."""
         cfg = module.layer_config  # a tensor-parallel rank's KV cache holds its own KV heads
         self.module = module
         self.tables = tables
         self.backend = backend
         self.module_kwargs = module_kwargs
+        self.prefix_run = prefix_run
         dtype = next(module.parameters()).dtype
         device = tables.table.device
         self.cache = KVCache(num_layers, tables.allocator.num_slots, cfg.num_kv_heads, cfg.head_dim, dtype, device)
@@ -69,7 +72,9 @@ class ModelRunner:
         row's table, RoPE positions equal the columns, and padding writes to the trash slot."""
         slots, start, positions = self.tables.append(rows, num_new, tokens.shape[1])
         context = self.scope.bucket or max(1, min(max_context, self.tables.max_row_tokens))
-        return ForwardBatch(rows, self.tables.table, tokens, positions, slots, start, num_new, context)
+        return ForwardBatch(
+            rows, self.tables.table, tokens, positions, slots, start, num_new, context, prefix_run=self.prefix_run
+        )
 
     def forward(self, batch: ForwardBatch, last_only: bool = False, **inputs: torch.Tensor) -> tuple[Any, ...]:
         """The module's outputs for `batch` (rows first); graph outputs are views valid until the same
@@ -90,5 +95,7 @@ class ModelRunner:
         """The forward unit: a batch's tensors and extra inputs (`names`), planned for the context bucket it runs in."""
         rows, tokens, positions, write_slots, start, num_new, *extras = tensors
         context = self.scope.bucket or self.tables.max_row_tokens
-        batch = ForwardBatch(rows, self.tables.table, tokens, positions, write_slots, start, num_new, context)
+        batch = ForwardBatch(
+            rows, self.tables.table, tokens, positions, write_slots, start, num_new, context, prefix_run=self.prefix_run
+        )
         return self.eager(batch, last_only, dict(zip(names, extras)))

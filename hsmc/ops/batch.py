@@ -8,6 +8,8 @@ what causality is measured in: token t of row r sits at column `start[r] + t`) a
 position*. They coincide for a plain sequence; tree drafting will put siblings at one position
 in different columns, so the two are kept apart. `mask`, when given, replaces causality by an
 explicit pattern over key columns (the EAGLE3 training-time test uses one; a draft tree will).
+`prefix_run` is a hint for speed only: attention may read a run's common prefix once (SMC particles fork from one
+prompt), and finds that prefix in the tables itself, so a wrong hint costs time, never correctness.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ForwardBatch:
     num_new: torch.Tensor  # int64 [R]: real tokens per row (a prefix of the T columns)
     max_context: int  # host-known bound on start + num_new over the rows (sizes the reference backend's gather)
     mask: torch.Tensor | None = None  # bool [R, T, max_context]: key columns each query sees; None = causal
+    prefix_run: int = 1  # rows come in runs of this many that may share leading KV columns (an SMC request's particles)
 
     @property
     def context_lens(self) -> torch.Tensor:

@@ -5,18 +5,55 @@ the G query heads sharing the KV head (GQA), so each key/value block is read onc
 column, or an explicit bool mask [R, T, L] (the EAGLE3 training-time test; draft trees later). Long rows split
 along the context (flash-decoding) with a combining kernel. Softmax in fp32; fp32 models use IEEE dots so they
 match the reference exactly.
+
+Rows that come in runs sharing their first KV columns (an SMC request's particles fork from one prompt) can read
+those columns once per run (cascade attention, as flashinfer's shared-prefix kernels do): `shared_columns` finds
+each run's common prefix on the device, `_shared_prefix_kernel` attends every query of the run over it in one
+tile, and the per-row kernel starts its online softmax from that state and reads only the row's own columns.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from hsmc.ops.pdl import pdl_launch
+
+
+@triton.jit
+def _block_scores(q, k_head_ptr, row_table_ptr, cols, c_valid, stride_kslot, d, d_valid, IEEE: tl.constexpr):
+    """q's raw scores against one block of a row's key columns (`k_head_ptr`: the keys of q's KV head), with the
+    block's K/V offsets and mask."""
+    slots = tl.load(row_table_ptr + cols, mask=c_valid, other=0)
+    kv_offsets = slots[:, None] * stride_kslot + d[None, :]
+    kv_mask = c_valid[:, None] & d_valid[None, :]
+    k = tl.load(k_head_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s, kv_offsets, kv_mask
+
+
+@triton.jit
+def _online_softmax_step(s, v_head_ptr, kv_offsets, kv_mask, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key block (scores `s` scaled to log2 and masked to -inf) into each query's running max, sum of weights and
+    weighted values."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -32,6 +69,9 @@ def _attention_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    shared_ptr,
+    shared_out_ptr,
+    shared_lse_ptr,
     stride_qr,
     stride_qt,
     stride_qh,
@@ -55,6 +95,8 @@ def _attention_kernel(
     NUM_HEADS: tl.constexpr,
     SPLITS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    SHARED_ROWS: tl.constexpr,
+    SHARED_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -90,25 +132,42 @@ def _attention_kernel(
     else:
         t_last = tl.minimum(qb * BLOCK_T + BLOCK_T - 1, T - 1)
         kv_end = start + tl.minimum(t_last, last_new) + 1
-    chunk = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    first = 0  # columns before it were attended by the shared-prefix kernel
+    if SHARED_ROWS > 0:
+        first = tl.load(shared_ptr + r // SHARED_ROWS)
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_end - first, 0), SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if SHARED_ROWS > 0:
+        if split == 0:  # start from the shared prefix's softmax state: its normalized output and log2-sum-exp
+            for s in tl.static_range(SHARED_SPLITS):
+                part = ((s * num_rows + r) * T + t) * NUM_HEADS + head
+                lse = tl.load(shared_lse_ptr + part, mask=m_valid, other=float("-inf"))
+                o = tl.load(
+                    shared_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                    mask=m_valid[:, None] & d_valid[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                m_new = tl.maximum(m_i, lse)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                w = tl.exp2(lse - m_safe)
+                l_i = l_i * alpha + w
+                acc = acc * alpha[:, None] + o * w[:, None]
+                m_i = m_new
+    row_table_ptr = table_ptr + row * stride_table
+    k_head_ptr = k_ptr + kv_head * stride_khead
+    v_head_ptr = v_ptr + kv_head * stride_khead
     for k0 in range(lo, hi, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)
         c_valid = cols < hi
-        slots = tl.load(table_ptr + row * stride_table + cols, mask=c_valid, other=0)
-        kv_offsets = slots[:, None] * stride_kslot + kv_head * stride_khead + d[None, :]
-        kv_mask = c_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
+        s, kv_offsets, kv_mask = _block_scores(
+            q, k_head_ptr, row_table_ptr, cols, c_valid, stride_kslot, d, d_valid, IEEE
+        )
         if HAS_MASK:
             seen = tl.load(
                 mask_ptr + r * stride_mr + t[:, None] * stride_mt + cols[None, :],
@@ -118,19 +177,8 @@ def _attention_kernel(
             allowed = c_valid[None, :] & (seen != 0)
         else:
             allowed = c_valid[None, :] & (cols[None, :] <= q_col[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        s = tl.where(allowed, s * scale_log2, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v_head_ptr, kv_offsets, kv_mask, m_i, l_i, acc, IEEE)
 
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -145,6 +193,145 @@ def _attention_kernel(
         tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=m_valid[:, None] & d_valid[None, :])
         tl.store(part_ml_ptr + base * 2, m_i, mask=m_valid)
         tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=m_valid)
+
+
+@triton.jit
+def _shared_columns_kernel(
+    table_ptr,
+    rows_ptr,
+    start_ptr,
+    num_new_ptr,
+    shared_ptr,
+    stride_table,
+    num_rows,
+    RUN: tl.constexpr,
+    BLOCK_RUN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Per run of RUN rows: how many leading columns every row bringing tokens has, with the same slots (the run's
+    shared prefix). Rows without tokens (padding) do not count; a run without such rows shares nothing."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    run = tl.program_id(0)
+    i = run * RUN + tl.arange(0, BLOCK_RUN)
+    in_run = (tl.arange(0, BLOCK_RUN) < RUN) & (i < num_rows)
+    row = tl.load(rows_ptr + i, mask=in_run, other=0)
+    start = tl.load(start_ptr + i, mask=in_run, other=0)
+    active = in_run & (tl.load(num_new_ptr + i, mask=in_run, other=0) > 0)
+    bound = tl.min(tl.where(active, start, 1 << 40), 0)
+    bound = tl.where(bound == 1 << 40, 0, bound)  # every query of the run sees columns < bound
+    shared = bound
+    for c0 in range(0, bound, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        slots = tl.load(
+            table_ptr + row[:, None] * stride_table + cols[None, :],
+            mask=active[:, None] & (cols < bound)[None, :],
+            other=0,
+        )
+        highest = tl.max(tl.where(active[:, None], slots, -1), 0)
+        lowest = tl.min(tl.where(active[:, None], slots, 1 << 40), 0)
+        differ = (highest != lowest) & (cols < bound)
+        shared = tl.minimum(shared, tl.min(tl.where(differ, cols.to(tl.int64), shared), 0))
+    tl.store(shared_ptr + run, shared)
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    rows_ptr,
+    num_new_ptr,
+    shared_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_qr,
+    stride_qt,
+    stride_qh,
+    stride_kslot,
+    stride_khead,
+    stride_table,
+    num_rows,
+    T,
+    scale_log2,
+    RUN: tl.constexpr,
+    BLOCK_RUN: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Every query of a run (RUN rows x T tokens x the GROUP heads of one KV head, BLOCK_P (row, token) pairs a
+    program) over one split of the run's shared columns, which every query sees: each key block is read once for
+    the run. Writes the normalized output (q's dtype) and the log2-sum-exp per query, [SPLITS, R, T, H]."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_pb = tl.cdiv(RUN * T, BLOCK_P)
+    run = pid // num_pb
+    pb = pid % num_pb
+    shared = tl.load(shared_ptr + run)
+
+    m = tl.arange(0, BLOCK_M)
+    pair = pb * BLOCK_P + m // GROUP
+    r = run * RUN + pair // T
+    t = pair % T
+    head = kv_head * GROUP + m % GROUP
+    m_valid = (m < BLOCK_P * GROUP) & (pair < RUN * T) & (r < num_rows)
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + r[:, None] * stride_qr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=m_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    # the shared columns' slots are the same in every row bringing tokens: read them from the first such row
+    i = run * RUN + tl.arange(0, BLOCK_RUN)
+    in_run = (tl.arange(0, BLOCK_RUN) < RUN) & (i < num_rows)
+    active = in_run & (tl.load(num_new_ptr + i, mask=in_run, other=0) > 0)
+    first_active = tl.min(tl.where(active, i, num_rows), 0)
+    row = tl.load(rows_ptr + first_active, mask=first_active < num_rows, other=0)
+
+    chunk = tl.cdiv(tl.cdiv(shared, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, shared)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_table_ptr = table_ptr + row * stride_table
+    k_head_ptr = k_ptr + kv_head * stride_khead
+    v_head_ptr = v_ptr + kv_head * stride_khead
+    for k0 in range(lo, hi, BLOCK_N):
+        cols = k0 + tl.arange(0, BLOCK_N)
+        c_valid = cols < hi
+        s, kv_offsets, kv_mask = _block_scores(
+            q, k_head_ptr, row_table_ptr, cols, c_valid, stride_kslot, d, d_valid, IEEE
+        )
+        s = tl.where(c_valid[None, :], s * scale_log2, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v_head_ptr, kv_offsets, kv_mask, m_i, l_i, acc, IEEE)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    part = ((split * num_rows + r) * T + t) * NUM_HEADS + head
+    tl.store(
+        out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_valid[:, None] & d_valid[None, :],
+    )
+    tl.store(lse_ptr + part, lse, mask=m_valid)
 
 
 @triton.jit
@@ -188,6 +375,26 @@ def _combine_kernel(
     )
 
 
+MAX_SHARED_TOKENS = 32  # tokens per row up to which runs of rows read a shared prefix once (decode and verify)
+# Where reading a run's prefix once paid on an H200 (docs/measurements/2026-11-30-h200-shared-prefix-attention.txt):
+# 16 runs of 8 rows over 2,064 keys 1.41-1.64x; over 272 keys 0.90-1.02x, and one run 0.43-0.65x (three launches
+# where the rows' own plan splits over the whole GPU). Fewer runs and shorter contexts were not measured faster.
+MIN_SHARED_RUNS = 16
+MIN_SHARED_CONTEXT = 513  # keys: above the shortest graph bucket (512)
+
+
+@dataclass(frozen=True)
+class SharedPrefixPlan:
+    """Launch shape of the shared-prefix pass: runs of `run` rows, `block_p` (row, token) pairs a program."""
+
+    run: int
+    block_p: int
+    block_m: int
+    splits: int
+    block_n: int = 64
+    num_warps: int = 4
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """Launch shape of one attention call, fixed per (rows, tokens, context bound) so graphs can hold it."""
@@ -197,10 +404,33 @@ class AttentionPlan:
     splits: int
     block_n: int = 64
     num_warps: int = 4
+    shared: SharedPrefixPlan | None = None  # runs of rows read their common prefix once first
+
+
+def shares_prefix(rows: int, tokens: int, max_context: int, run: int, masked: bool) -> bool:
+    """Whether a forward's attention reads shared prefixes once per run of `run` rows: decode and verify steps
+    (prefill chunks are one row a request) of many runs over long contexts, where that was measured faster, causal
+    (a tree mask is per row)."""
+    many = run > 1 and triton.cdiv(rows, run) >= MIN_SHARED_RUNS
+    return many and max_context >= MIN_SHARED_CONTEXT and tokens <= MAX_SHARED_TOKENS and not masked
+
+
+def plan_shared_prefix(
+    rows: int, tokens: int, max_context: int, num_heads: int, num_kv_heads: int, sm_count: int, run: int
+) -> SharedPrefixPlan:
+    """A run's (row, token) pairs in tiles of up to 64 query heads, and splits of the prefix (>= 256 keys each)
+    while the GPU has SMs to spare."""
+    group = num_heads // num_kv_heads
+    pairs = run * tokens
+    block_p = min(triton.next_power_of_2(pairs), max(1, 64 // group))
+    block_m = max(16, triton.next_power_of_2(block_p * group))
+    programs = triton.cdiv(rows, run) * triton.cdiv(pairs, block_p) * num_kv_heads
+    splits = min(16, _power_of_two_at_most(2 * sm_count // programs), _power_of_two_at_most(max_context // 256))
+    return SharedPrefixPlan(run, block_p, block_m, splits)
 
 
 def plan_attention(
-    rows: int, tokens: int, max_context: int, num_heads: int, num_kv_heads: int, sm_count: int
+    rows: int, tokens: int, max_context: int, num_heads: int, num_kv_heads: int, sm_count: int, run: int = 1
 ) -> AttentionPlan:
     """Query tiles of >= 16 rows (tensor-core dots) and context splits while the GPU has SMs to spare.
 
@@ -208,7 +438,19 @@ def plan_attention(
     SMs) short contexts split into ~64 keys, longer ones ~256; with more programs only past 512 keys. Past 512 keys,
     wider key blocks while there is at most one program per SM. Rows of several query blocks (verify, prefill)
     split into at most one wave (2 programs per SM), at least 512 keys each. Tuned on an H200 inside the Qwen3
-    forwards (docs/measurements/2026-11-27-ops-notes.md); the SM count is this GPU's."""
+    forwards (docs/measurements/2026-11-27-ops-notes.md); the SM count is this GPU's. With `run` > 1 (rows come in
+    runs that may share a prefix, `shares_prefix`) the plan holds the shared-prefix pass too."""
+    plan = _plan_rows(rows, tokens, max_context, num_heads, num_kv_heads, sm_count)
+    if run > 1:
+        shared = plan_shared_prefix(rows, tokens, max_context, num_heads, num_kv_heads, sm_count, run)
+        return replace(plan, shared=shared)
+    return plan
+
+
+def _plan_rows(
+    rows: int, tokens: int, max_context: int, num_heads: int, num_kv_heads: int, sm_count: int
+) -> AttentionPlan:
+    """The per-row pass (`plan_attention`)."""
     group = num_heads // num_kv_heads
     one_block = tokens * group <= 16  # a row's queries fill one tile
     block_t = max(1, 16 // group) if one_block else min(triton.next_power_of_2(tokens), max(1, 64 // group))
@@ -248,9 +490,11 @@ def paged_attention(
     num_new: torch.Tensor,
     plan: AttentionPlan,
     mask: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [R, T, H, D] over keys/values [slots, Hkv, D]; row r's token t sits at column start[r] + t of
-    table[rows[r]] and sees the columns <= its own (or mask[r, t]). Returns [R, T, H, D]."""
+    table[rows[r]] and sees the columns <= its own (or mask[r, t]). `shared`: `shared_columns` of the batch for
+    the plan's runs (required with `plan.shared`). Returns [R, T, H, D]."""
     r, t, h, d = q.shape
     hkv = keys.shape[1]
     group = h // hkv
@@ -261,6 +505,12 @@ def paged_attention(
         part_ml = torch.empty(plan.splits, r, t, h, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out
+    if plan.shared is not None:
+        if shared is None or mask is not None:
+            raise ValueError("a shared-prefix plan needs the batch's shared columns and causal attention")
+        shared_out, shared_lse = _shared_prefix(q, keys, values, table, rows, num_new, shared, plan.shared)
+    else:
+        shared = shared_out = shared_lse = rows  # unread
     mask_arg = mask if mask is not None else rows
     grid = (r * triton.cdiv(t, plan.block_t), hkv, plan.splits)
     _attention_kernel[grid](
@@ -275,6 +525,9 @@ def paged_attention(
         out,
         part_acc,
         part_ml,
+        shared,
+        shared_out,
+        shared_lse,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -298,6 +551,8 @@ def paged_attention(
         NUM_HEADS=h,
         SPLITS=plan.splits,
         HAS_MASK=mask is not None,
+        SHARED_ROWS=plan.shared.run if plan.shared is not None else 0,
+        SHARED_SPLITS=plan.shared.splits if plan.shared is not None else 1,
         IEEE=q.dtype == torch.float32,
         num_warps=plan.num_warps,
         **pdl_launch(q.device),
@@ -319,3 +574,80 @@ def paged_attention(
             **pdl_launch(q.device),
         )
     return out
+
+
+def shared_columns(
+    table: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, num_new: torch.Tensor, run: int
+) -> torch.Tensor:
+    """int64 [ceil(R / run)]: per run of `run` consecutive rows, the leading columns that all its rows bringing
+    tokens hold in the same slots and see (before every such row's first new column). Computed once per forward;
+    every layer's attention reads it."""
+    runs = triton.cdiv(rows.shape[0], run)
+    shared = torch.empty(runs, dtype=torch.int64, device=rows.device)
+    _shared_columns_kernel[(runs,)](
+        table,
+        rows,
+        start,
+        num_new,
+        shared,
+        table.stride(0),
+        rows.shape[0],
+        RUN=run,
+        BLOCK_RUN=triton.next_power_of_2(run),
+        BLOCK_N=128,
+        **pdl_launch(rows.device),
+    )
+    return shared
+
+
+def _shared_prefix(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    num_new: torch.Tensor,
+    shared: torch.Tensor,
+    plan: SharedPrefixPlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared-prefix pass: every query's normalized output [splits, R, T, H, D] and log2-sum-exp over its run's
+    shared columns."""
+    r, t, h, d = q.shape
+    out = torch.empty(plan.splits, r, t, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.splits, r, t, h, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    grid = (shared.shape[0] * triton.cdiv(plan.run * t, plan.block_p), keys.shape[1], plan.splits)
+    _shared_prefix_kernel[grid](
+        q,
+        keys,
+        values,
+        table,
+        rows,
+        num_new,
+        shared,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        keys.stride(0),
+        keys.stride(1),
+        table.stride(0),
+        r,
+        t,
+        math.log2(math.e) / math.sqrt(d),
+        RUN=plan.run,
+        BLOCK_RUN=triton.next_power_of_2(plan.run),
+        GROUP=h // keys.shape[1],
+        BLOCK_P=plan.block_p,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n if block_d <= 128 else 32,
+        BLOCK_D=block_d,
+        HEAD_DIM=d,
+        NUM_HEADS=h,
+        SPLITS=plan.splits,
+        IEEE=q.dtype == torch.float32,
+        num_warps=plan.num_warps,
+        **pdl_launch(q.device),
+    )
+    return out, lse

@@ -31,7 +31,7 @@ from hsmc.ops.fp8_gemm import (
 from hsmc.ops.fp8_linear import Fp8Linear, dequantize_fp8, quantize_activations
 from hsmc.ops.kv_cache import KVCache
 from hsmc.ops.linear_router import Kernel, Route, router_for
-from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
+from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention, shared_columns, shares_prefix
 from hsmc.ops.tree_walk import tree_walk
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 class TritonMeta:
     rope: Rope
     plans: dict[tuple[int, int], AttentionPlan]  # by (heads, kv heads): a model has one layout
+    shared: torch.Tensor | None  # each run's shared prefix columns (`shared_columns`), where attention reads them once
 
 
 class TritonBackend:
@@ -55,7 +56,11 @@ class TritonBackend:
         )
 
     def prepare(self, batch: ForwardBatch, rope: Rope, dtype: torch.dtype) -> TritonMeta:
-        return TritonMeta(rope, {})
+        r, t = batch.tokens.shape
+        shared = None
+        if shares_prefix(r, t, batch.max_context, batch.prefix_run, batch.mask is not None):
+            shared = shared_columns(batch.table, batch.rows, batch.start, batch.num_new, batch.prefix_run)
+        return TritonMeta(rope, {}, shared)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return fused.rms_norm(x, weight, eps)
@@ -102,7 +107,8 @@ class TritonBackend:
         keys = cache.keys(layer)
         key = (h, keys.shape[1])
         if key not in meta.plans:
-            meta.plans[key] = plan_attention(r, t, batch.max_context, h, keys.shape[1], self.sm_count)
+            run = batch.prefix_run if meta.shared is not None else 1
+            meta.plans[key] = plan_attention(r, t, batch.max_context, h, keys.shape[1], self.sm_count, run)
         out = paged_attention(
             q,
             keys,
@@ -113,6 +119,7 @@ class TritonBackend:
             batch.num_new,
             meta.plans[key],
             batch.mask,
+            meta.shared,
         )
         return out.view(r, t, -1)
 

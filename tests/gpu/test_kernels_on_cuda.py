@@ -78,6 +78,60 @@ def test_paged_attention_matches_the_reference(dtype, rows, tokens, context, hea
         assert (out[i, :n] - ref[i, :n]).abs().max().item() <= ATTENTION_TOLERANCE[dtype], (i, plan)
 
 
+def particle_batch(rng: random.Random, rows: int, run: int, tokens: int, prompt: int, slots: int) -> ForwardBatch:
+    """SMC particles: runs of `run` rows that share a prompt of up to `prompt` columns (whole in the first run), then
+    0..64 columns of their own; the last row is padding (no new tokens)."""
+    perm = torch.randperm(slots).tolist()
+    width = prompt + 64 + tokens
+    table = torch.full((rows + 1, width + 1), slots - 1)
+    start = []
+    for i in range(rows):
+        if i % run == 0:
+            shared = [perm.pop() for _ in range(prompt if i == 0 else rng.randint(0, prompt))]
+        own = rng.randint(0, 64)
+        columns = shared + [perm.pop() for _ in range(own + tokens)]
+        table[i, : len(columns)] = torch.tensor(columns)
+        start.append(len(shared) + own)
+    start_t, table = torch.tensor(start, device="cuda"), table.cuda()
+    num_new = torch.tensor([rng.randint(1, tokens) for _ in range(rows)], device="cuda")
+    num_new[-1] = 0
+    row_ids = torch.arange(rows, device="cuda")
+    cols = padded_columns(start_t, num_new, tokens)
+    valid = torch.arange(tokens, device="cuda")[None] < num_new[:, None]
+    write = torch.where(valid, table[row_ids[:, None], cols], slots - 1)
+    zeros = torch.zeros(rows, tokens, dtype=torch.int64, device="cuda")
+    return ForwardBatch(row_ids, table, zeros, cols, write, start_t, num_new, int((start_t + num_new).max()))
+
+
+@pytest.mark.parametrize("dtype", list(ATTENTION_TOLERANCE), ids=str)
+@pytest.mark.parametrize(
+    "rows, run, tokens, prompt, heads",
+    [(128, 8, 1, 256, 32), (128, 8, 9, 256, 64), (8, 8, 1, 4000, 32), (20, 8, 9, 2048, 64), (12, 4, 3, 600, 16)],
+)
+def test_particles_reading_their_shared_prefix_once_match_the_reference(dtype, rows, run, tokens, prompt, heads):
+    """Cascade attention over SMC-shaped batches (a 16-request cycle of the 8B and 32B, one request with a long
+    prompt, runs cut by the batch's end): the planned shared-prefix pass and the rows' own columns after it."""
+    from hsmc.ops.paged_attention import paged_attention, plan_attention, shared_columns
+
+    rng = random.Random(rows * 100 + prompt)
+    slots = rows * (prompt + 64 + tokens) + 7
+    batch = particle_batch(rng, rows, run, tokens, prompt, slots)
+    shared = shared_columns(batch.table, batch.rows, batch.start, batch.num_new, run)
+    assert shared[0].item() == prompt  # the first run shares its whole prompt
+    cache = KVCache(1, slots, 8, 128, dtype, "cuda")
+    cache.data.normal_()
+    q = torch.randn(rows, batch.tokens.shape[1], heads, 128, dtype=dtype, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = plan_attention(rows, tokens, batch.max_context, heads, 8, sms, run=run)
+    args = (q, cache.keys(0), cache.values(0), batch.table, batch.rows, batch.start, batch.num_new, plan)
+    out = paged_attention(*args, None, shared)
+    meta = TorchBackend().prepare(batch, Rope(torch.ones(64, device="cuda"), 1.0), dtype)
+    ref = TorchBackend().attend(0, q, cache, batch, meta).view(q.shape)
+    for i, n in enumerate(batch.num_new.tolist()):
+        if n:
+            assert (out[i, :n] - ref[i, :n]).abs().max().item() <= ATTENTION_TOLERANCE[dtype], (i, plan)
+
+
 def test_fused_norm_silu_rope_and_kv_write_within_one_rounding():
     """Each fused kernel computes in fp32 and rounds to bf16 once; the reference rounds the same fp32 values,
     reduced in another order (and the norm and RoPE in two steps), so the two differ by a rounding flip or two
