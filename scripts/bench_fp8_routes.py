@@ -1,9 +1,12 @@
 """Batched FP8 SMC-SD at the compute bound (issue 30 item 6): the FP8 8B -> FP8 32B stack (N = 8, K = 8, FP8
 activations) at 1 and 16 requests, in one run with the FP8-activation GEMMs on cuBLASLt's block-scaled GEMM alone and
 on the routes this GPU's tuning file picks (flashinfer's GEMM where it measured faster, if installed), each against
-its weight-read bound; `--triton` adds Triton's w8a8 kernel (the route before cuBLASLt's).
+its weight-read bound; `--triton` adds Triton's w8a8 kernel (the route before cuBLASLt's). `--prompt-tokens 2048`
+with `--row-by-row` adds the tuned routes with the particles' attention read row by row (`paged_attention.shares_prefix`
+never taken), the baseline of reading each request's shared prompt once.
 
-    python scripts/bench_fp8_routes.py [--batch 1,16] [--new-tokens 128] [--triton] [--out DIR]
+    python scripts/bench_fp8_routes.py [--batch 1,16] [--prompt-tokens 128] [--new-tokens 128] [--triton]
+        [--row-by-row] [--out DIR]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hsmc.bench import run_bench, to_json  # noqa: E402
 from hsmc.config import load_config  # noqa: E402
+from hsmc.ops import paged_attention  # noqa: E402
 from hsmc.ops.linear_router import router_for  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bench" / "smc_8b_32b.yaml"
@@ -30,7 +34,9 @@ OVERRIDES = ["levels.0.dtype=fp8", "levels.1.dtype=fp8", "engine.fp8_activations
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,16")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--row-by-row", action="store_true", help="also run attention without the shared-prefix pass")
     parser.add_argument("--triton", action="store_true", help="also run the FP8-activation GEMMs on Triton's kernel")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -38,16 +44,26 @@ def main() -> None:
     tuned = router.tuning
     on_flashinfer = len(tuned.fp8_flashinfer.gemms) if tuned.fp8_flashinfer else 0
     print(f"tuning: {tuned.source}; FP8 block-scaled: {tuned.fp8_block_scaled}; on flashinfer: {on_flashinfer}")
-    variants = [("cuBLASLt", dataclasses.replace(tuned, fp8_flashinfer=None)), ("tuned", tuned)]
+    shared_runs = paged_attention.MIN_SHARED_RUNS
+    variants = [
+        ("cuBLASLt", dataclasses.replace(tuned, fp8_flashinfer=None), shared_runs),
+        ("tuned", tuned, shared_runs),
+    ]
     if args.triton:
-        variants.insert(0, ("triton w8a8", dataclasses.replace(tuned, fp8_block_scaled=None, fp8_flashinfer=None)))
+        triton_only = dataclasses.replace(tuned, fp8_block_scaled=None, fp8_flashinfer=None)
+        variants.insert(0, ("triton w8a8", triton_only, shared_runs))
+    if args.row_by_row:
+        variants.append(("tuned, attention row by row", tuned, sys.maxsize))
     out = {}
-    for label, tuning in variants:
+    for label, tuning, runs in variants:
         router.tuning = tuning
         router._routes.clear()
+        paged_attention.MIN_SHARED_RUNS = runs
         config = load_config(CONFIG, OVERRIDES)
         batches = [int(b) for b in args.batch.split(",")]
-        rows, table = run_bench([], config, batches, 128, args.new_tokens, "bfloat16", False, {}, name=label)
+        rows, table = run_bench(
+            [], config, batches, args.prompt_tokens, args.new_tokens, "bfloat16", False, {}, name=label
+        )
         kernels = sorted({f"{route.kernel.value} x{rows}" for (rows, *_), route in router._routes.items() if rows > 16})
         print(f"== FP8-activation GEMMs: {label}\n{table}\nroutes above 16 rows: {', '.join(kernels)}", flush=True)
         out[label] = json.loads(to_json(rows))
