@@ -223,17 +223,19 @@ def _shared_columns_kernel(
     bound = tl.min(tl.where(active, start, 1 << 40), 0)
     bound = tl.where(bound == 1 << 40, 0, bound)  # every query of the run sees columns < bound
     shared = bound
-    for c0 in range(0, bound, BLOCK_N):
+    c0 = bound * 0
+    while c0 < shared:  # up to the first column where the rows differ, not over the whole context
         cols = c0 + tl.arange(0, BLOCK_N)
         slots = tl.load(
             table_ptr + row[:, None] * stride_table + cols[None, :],
-            mask=active[:, None] & (cols < bound)[None, :],
+            mask=active[:, None] & (cols < shared)[None, :],
             other=0,
         )
         highest = tl.max(tl.where(active[:, None], slots, -1), 0)
         lowest = tl.min(tl.where(active[:, None], slots, 1 << 40), 0)
-        differ = (highest != lowest) & (cols < bound)
-        shared = tl.minimum(shared, tl.min(tl.where(differ, cols.to(tl.int64), shared), 0))
+        differ = (highest != lowest) & (cols < shared)
+        shared = tl.minimum(shared, tl.min(tl.where(differ, cols, shared), 0))
+        c0 += BLOCK_N
     tl.store(shared_ptr + run, shared)
 
 
