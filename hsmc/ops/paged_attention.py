@@ -134,7 +134,7 @@ def _attention_kernel(
         kv_end = start + tl.minimum(t_last, last_new) + 1
     first = 0  # columns before it were attended by the shared-prefix kernel
     if SHARED_ROWS > 0:
-        first = tl.load(shared_ptr + r // SHARED_ROWS)
+        first = tl.load(shared_ptr + (r // SHARED_ROWS) * 2)
     chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_end - first, 0), SPLITS), BLOCK_N) * BLOCK_N
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
@@ -210,7 +210,8 @@ def _shared_columns_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Per run of RUN rows: how many leading columns every row bringing tokens has, with the same slots (the run's
-    shared prefix). Rows without tokens (padding) do not count; a run without such rows shares nothing."""
+    shared prefix), and the table row of the first such row (whose slots the shared-prefix pass reads). Rows without
+    tokens (padding) do not count; a run without such rows shares nothing."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -236,7 +237,9 @@ def _shared_columns_kernel(
         differ = (highest != lowest) & (cols < shared)
         shared = tl.minimum(shared, tl.min(tl.where(differ, cols, shared), 0))
         c0 += BLOCK_N
-    tl.store(shared_ptr + run, shared)
+    first_active = tl.min(tl.where(active, i, num_rows), 0)
+    tl.store(shared_ptr + run * 2, shared)
+    tl.store(shared_ptr + run * 2 + 1, tl.load(rows_ptr + first_active, mask=first_active < num_rows, other=0))
 
 
 @triton.jit
@@ -245,8 +248,6 @@ def _shared_prefix_kernel(
     k_ptr,
     v_ptr,
     table_ptr,
-    rows_ptr,
-    num_new_ptr,
     shared_ptr,
     out_ptr,
     lse_ptr,
@@ -260,7 +261,6 @@ def _shared_prefix_kernel(
     T,
     scale_log2,
     RUN: tl.constexpr,
-    BLOCK_RUN: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -284,7 +284,8 @@ def _shared_prefix_kernel(
     num_pb = tl.cdiv(RUN * T, BLOCK_P)
     run = pid // num_pb
     pb = pid % num_pb
-    shared = tl.load(shared_ptr + run)
+    shared = tl.load(shared_ptr + run * 2)
+    row = tl.load(shared_ptr + run * 2 + 1)  # the shared columns' slots are the same in every row bringing tokens
 
     m = tl.arange(0, BLOCK_M)
     pair = pb * BLOCK_P + m // GROUP
@@ -299,12 +300,6 @@ def _shared_prefix_kernel(
         mask=m_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
-    # the shared columns' slots are the same in every row bringing tokens: read them from the first such row
-    i = run * RUN + tl.arange(0, BLOCK_RUN)
-    in_run = (tl.arange(0, BLOCK_RUN) < RUN) & (i < num_rows)
-    active = in_run & (tl.load(num_new_ptr + i, mask=in_run, other=0) > 0)
-    first_active = tl.min(tl.where(active, i, num_rows), 0)
-    row = tl.load(rows_ptr + first_active, mask=first_active < num_rows, other=0)
 
     chunk = tl.cdiv(tl.cdiv(shared, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -510,7 +505,7 @@ def paged_attention(
     if plan.shared is not None:
         if shared is None or mask is not None:
             raise ValueError("a shared-prefix plan needs the batch's shared columns and causal attention")
-        shared_out, shared_lse = _shared_prefix(q, keys, values, table, rows, num_new, shared, plan.shared)
+        shared_out, shared_lse = _shared_prefix(q, keys, values, table, shared, plan.shared)
     else:
         shared = shared_out = shared_lse = rows  # unread
     mask_arg = mask if mask is not None else rows
@@ -581,11 +576,11 @@ def paged_attention(
 def shared_columns(
     table: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, num_new: torch.Tensor, run: int
 ) -> torch.Tensor:
-    """int64 [ceil(R / run)]: per run of `run` consecutive rows, the leading columns that all its rows bringing
-    tokens hold in the same slots and see (before every such row's first new column). Computed once per forward;
-    every layer's attention reads it."""
+    """int64 [ceil(R / run), 2]: per run of `run` consecutive rows, the leading columns that all its rows bringing
+    tokens hold in the same slots and see (before every such row's first new column), and the table row of the first
+    of them. Computed once per forward; every layer's attention reads it."""
     runs = triton.cdiv(rows.shape[0], run)
-    shared = torch.empty(runs, dtype=torch.int64, device=rows.device)
+    shared = torch.empty(runs, 2, dtype=torch.int64, device=rows.device)
     _shared_columns_kernel[(runs,)](
         table,
         rows,
@@ -607,8 +602,6 @@ def _shared_prefix(
     keys: torch.Tensor,
     values: torch.Tensor,
     table: torch.Tensor,
-    rows: torch.Tensor,
-    num_new: torch.Tensor,
     shared: torch.Tensor,
     plan: SharedPrefixPlan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -624,8 +617,6 @@ def _shared_prefix(
         keys,
         values,
         table,
-        rows,
-        num_new,
         shared,
         out,
         lse,
@@ -639,7 +630,6 @@ def _shared_prefix(
         t,
         math.log2(math.e) / math.sqrt(d),
         RUN=plan.run,
-        BLOCK_RUN=triton.next_power_of_2(plan.run),
         GROUP=h // keys.shape[1],
         BLOCK_P=plan.block_p,
         BLOCK_M=plan.block_m,

@@ -117,7 +117,7 @@ def test_particles_reading_their_shared_prefix_once_match_the_reference(dtype, r
     slots = rows * (prompt + 64 + tokens) + 7
     batch = particle_batch(rng, rows, run, tokens, prompt, slots)
     shared = shared_columns(batch.table, batch.rows, batch.start, batch.num_new, run)
-    assert shared[0].item() == prompt  # the first run shares its whole prompt
+    assert shared[0, 0].item() == prompt  # the first run shares its whole prompt
     cache = KVCache(1, slots, 8, 128, dtype, "cuda")
     cache.data.normal_()
     q = torch.randn(rows, batch.tokens.shape[1], heads, 128, dtype=dtype, device="cuda")
