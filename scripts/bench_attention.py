@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import torch
 import triton.testing
-from gpu_common import HEAD_DIM, KV_HEADS, AttentionCase, Report, graph_ms, run_parts
+from gpu_common import KV_HEADS, AttentionCase, ParticleCase, Report, run_parts
 
 from hsmc.ops.backend import Rope, TorchBackend
-from hsmc.ops.batch import ForwardBatch, padded_columns
-from hsmc.ops.kv_cache import KVCache
-from hsmc.ops.paged_attention import paged_attention, plan_attention, shared_columns
 
 
 def reference_us(case: AttentionCase) -> float:
@@ -58,57 +55,24 @@ def verify(report: Report) -> None:
     time_cases(report, "verify", 9, cases)
 
 
-def particle_batch(requests: int, run: int, tokens: int, prompt: int, own: int) -> tuple[ForwardBatch, int]:
-    """`requests` runs of `run` rows over one prompt of `prompt` columns each, then `own` columns per row; (batch,
-    slots)."""
-    rows = requests * run
-    slots = requests * prompt + rows * own + 1
-    perm = torch.randperm(slots - 1, device="cuda")
-    prompts = perm[: requests * prompt].view(requests, 1, prompt).expand(requests, run, prompt).reshape(rows, prompt)
-    table = torch.cat([prompts, perm[requests * prompt :].view(rows, own)], 1)
-    table = torch.cat([table, torch.full((1, prompt + own), slots - 1, device="cuda")])
-    row_ids = torch.arange(rows, device="cuda")
-    start = torch.full((rows,), prompt + own - tokens, device="cuda")
-    num_new = torch.full((rows,), tokens, device="cuda")
-    cols = padded_columns(start, num_new, tokens)
-    zeros = torch.zeros(rows, tokens, dtype=torch.int64, device="cuda")
-    return ForwardBatch(row_ids, table, zeros, cols, table[row_ids[:, None], cols], start, num_new, prompt + own), slots
-
-
 def particles(report: Report) -> None:
     report.say("== SMC particles (runs of 8 over one prompt): row by row vs the shared prefix once per run ==")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    run, own = 8, 16
     for requests in (16, 1):
         for heads, tokens, label in ((32, 1, "8B proposal"), (64, 9, "32B verify")):
             for prompt in (256, 2048):
-                batch, slots = particle_batch(requests, run, tokens, prompt, own)
-                cache = KVCache(1, slots, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
-                cache.data.normal_()
-                rows = requests * run
-                q = torch.randn(rows, tokens, heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-                args = (q, cache.keys(0), cache.values(0), batch.table, batch.rows, batch.start, batch.num_new)
-                context = prompt + own
-                by_row = plan_attention(rows, tokens, context, heads, KV_HEADS, sms)
-                by_run = plan_attention(rows, tokens, context, heads, KV_HEADS, sms, run=run)
-
-                def cascade():
-                    shared = shared_columns(batch.table, batch.rows, batch.start, batch.num_new, run)
-                    return paged_attention(*args, by_run, None, shared)
-
-                error = (cascade().float() - paged_attention(*args, by_row).float()).abs().max().item()
-                row_us = graph_ms(lambda: [paged_attention(*args, by_row) for _ in range(16)]) / 16 * 1e3
-                run_us = graph_ms(lambda: [cascade() for _ in range(16)]) / 16 * 1e3
-                unique = (requests * prompt + rows * own) * KV_HEADS * HEAD_DIM * 2 * 2
-                bound_us = report.read_ms(unique) * 1e3
+                case = ParticleCase(heads, requests, 8, tokens, prompt, 16)
+                by_row, by_run = case.planned(by_run=False), case.planned(by_run=True)
+                error = (case.attend(by_run).float() - case.attend(by_row).float()).abs().max().item()
+                row_us, run_us = case.us_per_call(by_row), case.us_per_call(by_run)
+                bound_us = report.read_ms(case.unique_kv_bytes) * 1e3
                 report.say(
-                    f"{label:12s} {requests:2d} requests x {run} rows, prompt {prompt:5d} + {own}: row by row "
+                    f"{label:12s} {requests:2d} requests x 8 rows, prompt {prompt:5d} + 16: row by row "
                     f"{row_us:7.1f} us, once per run {run_us:7.1f} us ({row_us / run_us:4.2f}x), unique K/V read "
                     f"{bound_us:6.1f} us; max |diff| {error:.1e}",
                     label=label, requests=requests, prompt=prompt, row_us=row_us, run_us=run_us, bound_us=bound_us,
                     error=error,
                 )  # fmt: skip
-                del cache
+                del case
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from hsmc.bench import copy_bandwidth
 from hsmc.models.shapes import hf_config
 from hsmc.ops.batch import ForwardBatch, padded_columns
 from hsmc.ops.kv_cache import KVCache
-from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention
+from hsmc.ops.paged_attention import AttentionPlan, paged_attention, plan_attention, shared_columns
 
 KV_HEADS, HEAD_DIM = 8, 128  # of the Qwen3-8B and 32B
 FP8_PEAK_FLOPS = 1979e12  # the dense FP8 tensor-core peak of an H100 or H200 SXM (issue 30 states its bound so)
@@ -266,3 +266,50 @@ class AttentionCase:
     def us_per_call(self, plan: AttentionPlan) -> float:
         """16 calls replayed in one graph (a Python launch would take longer than the kernel)."""
         return graph_ms(lambda: [self.attend(plan) for _ in range(16)]) / 16 * 1e3
+
+
+class ParticleCase:
+    """`requests` runs of `run` rows (SMC particles) over one prompt of `prompt` columns each, then `own` columns per
+    row, `tokens` new tokens a row: the batch, random K/V and queries, and the run's shared columns."""
+
+    def __init__(self, heads: int, requests: int, run: int, tokens: int, prompt: int, own: int) -> None:
+        self.heads, self.run, self.tokens, self.context = heads, run, tokens, prompt + own
+        self.rows = rows = requests * run
+        slots = requests * prompt + rows * own + 1
+        perm = torch.randperm(slots - 1, device="cuda")
+        prompts = perm[: requests * prompt].view(requests, 1, prompt).expand(requests, run, prompt)
+        table = torch.cat([prompts.reshape(rows, prompt), perm[requests * prompt :].view(rows, own)], 1)
+        table = torch.cat([table, torch.full((1, prompt + own), slots - 1, device="cuda")])
+        row_ids = torch.arange(rows, device="cuda")
+        start = torch.full((rows,), prompt + own - tokens, device="cuda")
+        num_new = torch.full((rows,), tokens, device="cuda")
+        cols = padded_columns(start, num_new, tokens)
+        zeros = torch.zeros(rows, tokens, dtype=torch.int64, device="cuda")
+        self.batch = ForwardBatch(
+            row_ids, table, zeros, cols, table[row_ids[:, None], cols], start, num_new, prompt + own
+        )
+        self.cache = KVCache(1, slots, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+        self.cache.data.normal_()
+        self.q = torch.randn(rows, tokens, heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.unique_kv_bytes = (requests * prompt + rows * own) * KV_HEADS * HEAD_DIM * 2 * 2
+
+    def planned(self, by_run: bool) -> AttentionPlan:
+        run = self.run if by_run else 1
+        return plan_attention(self.rows, self.tokens, self.context, self.heads, KV_HEADS, self.sms, run=run)
+
+    def shared(self) -> torch.Tensor:
+        b = self.batch
+        return shared_columns(b.table, b.rows, b.start, b.num_new, self.run)
+
+    def attend(self, plan: AttentionPlan, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """With a shared-prefix plan and no `shared`, the shared columns are found in the call (once per forward in
+        the engine, so this counts them once per layer)."""
+        b, keys, values = self.batch, self.cache.keys(0), self.cache.values(0)
+        if plan.shared is not None and shared is None:
+            shared = self.shared()
+        return paged_attention(self.q, keys, values, b.table, b.rows, b.start, b.num_new, plan, None, shared)
+
+    def us_per_call(self, plan: AttentionPlan, shared: torch.Tensor | None = None) -> float:
+        """16 calls replayed in one graph."""
+        return graph_ms(lambda: [self.attend(plan, shared) for _ in range(16)]) / 16 * 1e3

@@ -6,8 +6,10 @@ one-row         tile settings of the one-row (decode) Linears, qwen3-8b bf16 and
 fp8-gemm        launch settings of the weight-only FP8 GEMM around the planner's at 16 rows (`fp8_gemm.plan_fp8_gemm`).
 w8a8            tile settings of the FP8-activation GEMM at verify sizes, 32B Linears, both operand orders
                 (`fp8_gemm.plan_w8a8`).
-attention       decode (1 query token per row) and verify (9) attention: the planner's plan against every split x
-                key block x warps setting (`paged_attention.plan_attention`).
+attention       decode (1 query token per row) and verify (9) attention: the planner's plan against every query
+                tile x split x key block x warps setting (`paged_attention.plan_attention`).
+shared-prefix   16 requests of 8 SMC particles reading their prompt once: the shared-prefix pass's splits x key
+                block x warps (`paged_attention.plan_shared_prefix`).
 decode-forward  the whole qwen3-8b one-row forward with the attention plan forced to each setting, 260 and 2000 keys.
 
     python scripts/sweep_kernels.py --parts one-row[,...] [--out DIR]
@@ -18,11 +20,14 @@ The routes of the Linears (few-row plans, cuBLAS or cuBLASLt, padded rows, the b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 from gpu_common import (
     LINEAR_STEPS,
     AttentionCase,
+    ParticleCase,
     Report,
     graph_ms,
     layer_linears,
@@ -160,31 +165,64 @@ def attention(report: Report) -> None:
     from hsmc.ops.paged_attention import AttentionPlan
 
     decode_cases = [(32, 8, 1100), (32, 8, 4400), (32, 16, 300), (32, 16, 2000), (32, 16, 4096), (32, 32, 2000),
-                    (64, 8, 1100), (64, 16, 4096)]  # fmt: skip
-    verify_cases = [(64, rows, context) for rows in (8, 16) for context in (268, 1100, 2200, 4400)]
-    verify_cases += [(32, 8, context) for context in (268, 1100, 4400)]
+                    (32, 128, 272), (32, 128, 2064), (64, 8, 1100), (64, 16, 4096)]  # fmt: skip
+    verify_cases = [(64, rows, context) for rows in (8, 16, 128) for context in (268, 1100, 2200, 4400)]
+    verify_cases += [(32, rows, context) for rows in (8, 128) for context in (268, 1100, 4400)]
     for label, tokens, cases, warps in (("decode", 1, decode_cases, (2, 4, 8)), ("verify", 9, verify_cases, (4, 8))):
         report.say(f"== {label} attention ({tokens} query tokens per row): the planner vs every setting (us) ==")
         for heads, rows, context in cases:
             case = AttentionCase(heads, rows, tokens, context)
             current = case.planned()
             reference = case.attend(current).float()
+            group = heads // 8
+            whole_row = min(triton.next_power_of_2(tokens), max(1, 128 // group))  # a row's queries in one tile
             timings = {}
-            for splits in (1, 2, 4, 8, 16):
-                for block_n in (32, 64, 128):
-                    for w in warps:
-                        plan = AttentionPlan(current.block_t, current.block_m, splits, block_n, w)
-                        if not torch.allclose(case.attend(plan).float(), reference, atol=2e-2, rtol=2e-2):
-                            report.say(f"  H{heads} R{rows} L{context} {plan}: differs from the planner's output")
-                            continue
-                        timings[(splits, block_n, w)] = case.us_per_call(plan)
+            for block_t in sorted({current.block_t, whole_row}):
+                block_m = max(16, triton.next_power_of_2(block_t * group))
+                for splits in (1, 2, 4, 8, 16):
+                    for block_n in (32, 64, 128):
+                        for w in warps:
+                            plan = AttentionPlan(block_t, block_m, splits, block_n, w)
+                            if not torch.allclose(case.attend(plan).float(), reference, atol=2e-2, rtol=2e-2):
+                                report.say(f"  H{heads} R{rows} L{context} {plan}: differs from the planner's output")
+                                continue
+                            timings[(block_t, splits, block_n, w)] = case.us_per_call(plan)
             now = case.us_per_call(current)
             bound = report.read_ms(case.kv_bytes) * 1e3
             ranked = sorted(timings, key=timings.get)[:4]
-            report.say(f"G{heads // 8} R{rows:<3} L{context:<5} planner {current.splits}x{current.block_n}/"
-                       f"{current.num_warps}w {now:6.1f} us ({bound / now:.0%} of the K/V read); best (splits, "
-                       "block_n, warps): " + ", ".join(f"{k} {timings[k]:.1f}" for k in ranked),
+            report.say(f"G{group} R{rows:<3} L{context:<5} planner t{current.block_t} {current.splits}x"
+                       f"{current.block_n}/{current.num_warps}w {now:6.1f} us ({bound / now:.0%} of the K/V read); "
+                       "best (block_t, splits, block_n, warps): " + ", ".join(f"{k} {timings[k]:.1f}" for k in ranked),
                        kind=label, heads=heads, rows=rows, context=context, planner_us=now, roofline_us=bound,
+                       timings={str(k): v for k, v in timings.items()})  # fmt: skip
+            del case
+
+
+def shared_prefix(report: Report) -> None:
+    """The shared-prefix pass's splits and key blocks at 16 requests of 8 particles (`plan_shared_prefix`)."""
+    report.say("== runs of 8 particles reading their prompt once: the planner vs each shared-pass setting (us) ==")
+    for heads, tokens in ((32, 1), (64, 9)):
+        for prompt in (256, 2048):
+            case = ParticleCase(heads, 16, 8, tokens, prompt, 16)
+            current, shared = case.planned(by_run=True), case.shared()
+            reference = case.attend(case.planned(by_run=False)).float()
+            timings = {}
+            for splits in (1, 2, 4, 8):
+                for block_n in (32, 64, 128):
+                    for w in (4, 8):
+                        pass_plan = replace(current.shared, splits=splits, block_n=block_n, num_warps=w)
+                        plan = replace(current, shared=pass_plan)
+                        if not torch.allclose(case.attend(plan, shared).float(), reference, atol=2e-2, rtol=2e-2):
+                            report.say(f"  H{heads} T{tokens} L{case.context} {plan}: differs from row by row")
+                            continue
+                        timings[(splits, block_n, w)] = case.us_per_call(plan, shared)
+            now = case.us_per_call(current, shared)
+            ranked = sorted(timings, key=timings.get)[:4]
+            s = current.shared
+            report.say(f"G{heads // 8} T{tokens} 16 x 8 rows, L{case.context:<5} planner {s.splits}x{s.block_n}/"
+                       f"{s.num_warps}w {now:6.1f} us; best (splits, block_n, warps): "
+                       + ", ".join(f"{k} {timings[k]:.1f}" for k in ranked),
+                       heads=heads, tokens=tokens, context=case.context, planner_us=now,
                        timings={str(k): v for k, v in timings.items()})  # fmt: skip
             del case
 
@@ -235,5 +273,5 @@ def decode_forward(report: Report) -> None:
 
 if __name__ == "__main__":
     parts = {"one-row": one_row, "fp8-gemm": fp8_gemm, "w8a8": w8a8, "attention": attention,
-             "decode-forward": decode_forward}  # fmt: skip
+             "shared-prefix": shared_prefix, "decode-forward": decode_forward}  # fmt: skip
     run_parts(__doc__.split("\n\n")[0], parts, "sweep_kernels")

@@ -162,9 +162,9 @@ def _linears() -> None:
 
 
 def _attention_and_all_reduce() -> None:
-    """A decode row's attention split over its context (the combine kernel), a run of rows reading their shared
-    prefix once (16- and 32-bit), and the push all-reduce as rank 0 of two (the peer's buffer simulated, as
-    tests/test_push_all_reduce.py does)."""
+    """A decode row's attention split over its context (the combine kernel), verify rows in whole-row tiles of 128
+    queries, a run of rows reading their shared prefix once (16- and 32-bit), and the push all-reduce as rank 0 of
+    two (the peer's buffer simulated, as tests/test_push_all_reduce.py does)."""
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 64, 2, 16, generator=g)
     plan = plan_attention(1, 1, 41, 4, 2, 4)
@@ -173,6 +173,14 @@ def _attention_and_all_reduce() -> None:
     paged_attention(
         q, keys, values, torch.arange(64)[None], torch.tensor([0]), start, one, dataclasses.replace(plan, splits=4)
     )
+    for dtype in (torch.float16, torch.float32):  # verify rows on a GPU of few SMs: the many-programs plan (a
+        # 9-token row's 72 queries in one 128-query tile over 32-key blocks)
+        q9 = torch.randn(2, 9, 16, 16, generator=g).to(dtype)
+        nine, starts = torch.tensor([9, 9]), torch.tensor([30, 40])
+        many = plan_attention(2, 9, 49, 16, 2, 1)
+        assert (many.block_m, many.block_n) == (128, 32)
+        paged_attention(q9, keys.to(dtype), values.to(dtype), torch.arange(64).expand(2, 64), torch.arange(2),
+                        starts, nine, many)  # fmt: skip
     for dtype in (torch.float16, torch.float32):  # a run of 4 particles over one prompt's columns, then their own
         table = torch.cat([torch.arange(30).expand(4, 30), 30 + torch.arange(4 * 10).view(4, 10)], 1)
         rows, starts = torch.arange(4), torch.tensor([35, 33, 39, 31])

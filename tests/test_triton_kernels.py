@@ -191,6 +191,7 @@ def test_smc_particles_read_their_prompt_once_and_decode_the_same_tokens(tmp_pat
 
     monkeypatch.setattr(paged, "MIN_SHARED_RUNS", 1)
     monkeypatch.setattr(paged, "MIN_SHARED_CONTEXT", 1)
+    monkeypatch.setattr(paged, "MIN_SHARED_CONTEXT_ONE_TOKEN", 1)
 
     draft, target = make_tiny_model("llama", tmp_path / "d", seed=1), make_tiny_model("llama", tmp_path / "t", seed=2)
     cfg = {
@@ -220,12 +221,58 @@ def test_smc_particles_read_their_prompt_once_and_decode_the_same_tokens(tmp_pat
 
 
 def test_particles_read_their_prefix_once_only_where_that_was_measured_faster():
-    """16 requests of 8 particles over more than 512 keys (1.41-1.64x on an H200); not one request, not 272 keys
-    (0.43-1.02x), not a tree-masked verify, not a prefill chunk, not rows that come in no runs."""
+    """16 requests of 8 particles over more than 512 keys (1.55-1.82x on an H200), and their proposal steps (one
+    token a row) in the 512-key bucket (1.19x at 272 keys); not a verify there (0.98x), not one request
+    (0.45-0.66x), not a tree-masked verify, not a prefill chunk, not rows that come in no runs."""
     assert shares_prefix(128, 1, 2048, 8, False) and shares_prefix(128, 9, 2048, 8, False)
-    assert not shares_prefix(8, 1, 2048, 8, False) and not shares_prefix(128, 1, 512, 8, False)
+    assert shares_prefix(128, 1, 512, 8, False) and not shares_prefix(128, 1, 256, 8, False)
+    assert not shares_prefix(128, 9, 512, 8, False) and not shares_prefix(8, 1, 2048, 8, False)
     assert not shares_prefix(128, 9, 2048, 8, True) and not shares_prefix(128, 64, 2048, 8, False)
     assert not shares_prefix(128, 1, 2048, 1, False)
+
+
+def test_attention_of_many_rows_takes_the_throughput_plans():
+    """On 132 SMs, 16 requests' particles (128 rows, >= 4 programs per SM) are bound by throughput: a 9-token verify
+    row's queries in one tile over 32-key blocks (1.07-1.15x on an H200), decode rows over <= 512 keys in 64-key
+    blocks of 2 warps (1.10x), a run's shared prefix in two splits of 128-key blocks (1.07-1.22x) or, for verify
+    rows, in 32-key blocks (1.11-1.15x); 16 verify rows
+    and 8 decode rows keep the latency plans."""
+    assert plan_attention(128, 9, 268, 64, 8, 132) == AttentionPlan(16, 128, 1, block_n=32, num_warps=4)
+    assert plan_attention(128, 9, 268, 32, 8, 132) == AttentionPlan(16, 64, 1, block_n=32, num_warps=4)
+    assert plan_attention(16, 9, 1100, 64, 8, 132) == AttentionPlan(8, 64, 1, block_n=64, num_warps=4)
+    assert plan_attention(128, 1, 512, 32, 8, 132) == AttentionPlan(4, 16, 1, block_n=64, num_warps=2)
+    assert (plan_attention(8, 1, 512, 32, 8, 132).block_n, plan_attention(8, 1, 512, 32, 8, 132).num_warps) == (128, 4)
+    shared = plan_attention(128, 1, 512, 32, 8, 132, run=8).shared
+    assert (shared.splits, shared.block_n) == (2, 128)
+    shared = plan_attention(128, 9, 2048, 64, 8, 132, run=8).shared
+    assert (shared.splits, shared.block_m, shared.block_n) == (1, 64, 32)
+    assert plan_attention(2, 128, 1024, 32, 8, 132).block_t == 16  # a prefill chunk keeps its plan
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("heads,tokens", [(16, 9), (8, 9), (4, 1)], ids=["gqa8-verify", "gqa4-verify", "decode"])
+def test_throughput_plans_match_the_reference(dtype, heads, tokens):
+    """The plans the planner takes with many programs per SM (here one SM): whole-row query tiles of up to 128
+    queries over 32-key blocks, and 2-warp 64-key blocks for decode rows, equal the reference."""
+    rng = random.Random(heads + tokens)
+    torch.manual_seed(heads * tokens)
+    slots = 400
+    ragged = random_batch(rng, 3, tokens, 90, slots)
+    num_new = torch.tensor([tokens, 1, max(1, tokens - 3)], device=DEVICE)  # a full row: every query of the tile
+    cols = padded_columns(ragged.start, num_new, tokens)
+    valid = torch.arange(tokens, device=DEVICE)[None] < num_new[:, None]
+    write = torch.where(valid, ragged.table[ragged.rows[:, None], cols], slots)
+    context = int((ragged.start + num_new).max())
+    batch = ForwardBatch(ragged.rows, ragged.table, ragged.tokens, cols, write, ragged.start, num_new, context)
+    plan = plan_attention(3, tokens, batch.max_context, heads, 2, 1)
+    assert plan.block_n == (32 if tokens > 1 else 64) and plan.block_t >= tokens
+    cache = KVCache(1, slots, 2, 16, dtype, DEVICE)
+    cache.data.normal_()
+    q = torch.randn(3, tokens, heads, 16, dtype=dtype, device=DEVICE)
+    out = paged_attention(
+        q, cache.keys(0), cache.values(0), batch.table, batch.rows, batch.start, batch.num_new, plan
+    )  # fmt: skip
+    assert max_error(out.float(), reference_attention(q, cache, batch).float(), batch) <= ATTN_TOL[dtype]
 
 
 def exact_or_ulp(a: torch.Tensor, b: torch.Tensor) -> float:

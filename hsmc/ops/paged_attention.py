@@ -373,11 +373,14 @@ def _combine_kernel(
 
 
 MAX_SHARED_TOKENS = 32  # tokens per row up to which runs of rows read a shared prefix once (decode and verify)
-# Where reading a run's prefix once paid on an H200 (docs/measurements/2026-11-30-h200-shared-prefix-attention.txt):
-# 16 runs of 8 rows over 2,064 keys 1.41-1.64x; over 272 keys 0.90-1.02x, and one run 0.43-0.65x (three launches
-# where the rows' own plan splits over the whole GPU). Fewer runs and shorter contexts were not measured faster.
+# Where reading a run's prefix once paid on an H200 (docs/measurements/2026-11-30-h200-shared-prefix-attention.txt,
+# 2026-11-30-h200-attention-many-programs.txt): 16 runs of 8 rows over 2,064 keys 1.55-1.82x; over 272 keys
+# 1-token rows 1.19x, 9-token rows 0.98x; one run 0.45-0.66x (three launches where the rows' own plan splits over
+# the whole GPU). Fewer runs were not measured faster.
 MIN_SHARED_RUNS = 16
-MIN_SHARED_CONTEXT = 513  # keys: above the shortest graph bucket (512)
+MIN_SHARED_CONTEXT = 513  # keys: above the shortest graph bucket (512), for rows of several tokens
+MIN_SHARED_CONTEXT_ONE_TOKEN = 257  # keys, for decode rows (SMC proposal steps): the 512 bucket qualifies
+MANY_PROGRAMS = 4  # (row, KV head) programs per SM from which attention is bound by throughput, not latency
 
 
 @dataclass(frozen=True)
@@ -409,21 +412,25 @@ def shares_prefix(rows: int, tokens: int, max_context: int, run: int, masked: bo
     (prefill chunks are one row a request) of many runs over long contexts, where that was measured faster, causal
     (a tree mask is per row)."""
     many = run > 1 and triton.cdiv(rows, run) >= MIN_SHARED_RUNS
-    return many and max_context >= MIN_SHARED_CONTEXT and tokens <= MAX_SHARED_TOKENS and not masked
+    long_enough = max_context >= (MIN_SHARED_CONTEXT_ONE_TOKEN if tokens == 1 else MIN_SHARED_CONTEXT)
+    return many and long_enough and tokens <= MAX_SHARED_TOKENS and not masked
 
 
 def plan_shared_prefix(
     rows: int, tokens: int, max_context: int, num_heads: int, num_kv_heads: int, sm_count: int, run: int
 ) -> SharedPrefixPlan:
-    """A run's (row, token) pairs in tiles of up to 64 query heads, and splits of the prefix (>= 256 keys each)
-    while the GPU has SMs to spare."""
+    """A run's (row, token) pairs in tiles of up to 64 query heads, and splits of the prefix (>= 128 keys each)
+    while the GPU has SMs to spare. Tiles of <= 32 queries (decode rows) read 128-key blocks: each block's gather
+    is a latency the small tile cannot hide; larger tiles (verify rows) 32-key blocks, as the per-row pass's
+    throughput plan (1.07-1.22x and 1.11-1.15x over 64-key blocks on an H200, `sweep_kernels.py --parts
+    shared-prefix`)."""
     group = num_heads // num_kv_heads
     pairs = run * tokens
     block_p = min(triton.next_power_of_2(pairs), max(1, 64 // group))
     block_m = max(16, triton.next_power_of_2(block_p * group))
     programs = triton.cdiv(rows, run) * triton.cdiv(pairs, block_p) * num_kv_heads
-    splits = min(16, _power_of_two_at_most(2 * sm_count // programs), _power_of_two_at_most(max_context // 256))
-    return SharedPrefixPlan(run, block_p, block_m, splits)
+    splits = min(16, _power_of_two_at_most(2 * sm_count // programs), _power_of_two_at_most(max_context // 128))
+    return SharedPrefixPlan(run, block_p, block_m, splits, block_n=128 if block_m <= 32 else 32)
 
 
 def plan_attention(
@@ -434,8 +441,11 @@ def plan_attention(
     A decode row's latency is its longest split, so while (row, KV head) programs are few (at most a quarter of the
     SMs) short contexts split into ~64 keys, longer ones ~256; with more programs only past 512 keys. Past 512 keys,
     wider key blocks while there is at most one program per SM. Rows of several query blocks (verify, prefill)
-    split into at most one wave (2 programs per SM), at least 512 keys each. Tuned on an H200 inside the Qwen3
-    forwards (docs/measurements/2026-11-27-ops-notes.md); the SM count is this GPU's. With `run` > 1 (rows come in
+    split into at most one wave (2 programs per SM), at least 512 keys each. With MANY_PROGRAMS per SM or more
+    (16 requests' particles), throughput decides: decode rows over <= 512 keys take 64-key blocks of 2 warps, and a
+    verify row's queries (<= 128) one tile over 32-key blocks (1.07-1.15x, docs/measurements/
+    2026-11-30-h200-attention-many-programs.txt). Tuned on an H200 inside the Qwen3 forwards
+    (docs/measurements/2026-11-27-ops-notes.md); the SM count is this GPU's. With `run` > 1 (rows come in
     runs that may share a prefix, `shares_prefix`) the plan holds the shared-prefix pass too."""
     plan = _plan_rows(rows, tokens, max_context, num_heads, num_kv_heads, sm_count)
     if run > 1:
@@ -453,6 +463,10 @@ def _plan_rows(
     block_t = max(1, 16 // group) if one_block else min(triton.next_power_of_2(tokens), max(1, 64 // group))
     block_m = max(16, triton.next_power_of_2(block_t * group))
     programs = rows * num_kv_heads * triton.cdiv(tokens, block_t)
+    many = programs >= MANY_PROGRAMS * sm_count
+    if not one_block and many and tokens * group <= 128:  # verify steps of many rows: a row's queries in one tile
+        block_t = min(triton.next_power_of_2(tokens), 128 // group)
+        return AttentionPlan(block_t, max(16, triton.next_power_of_2(block_t * group)), 1, block_n=32, num_warps=4)
     if not one_block:
         splits = min(_power_of_two_at_most(2 * sm_count // programs), _power_of_two_at_most(max_context // 512))
         return AttentionPlan(block_t, block_m, min(16, splits), block_n=64, num_warps=4)
@@ -463,7 +477,9 @@ def _plan_rows(
     else:
         by_context = 1 if max_context <= 512 else triton.next_power_of_2(triton.cdiv(max_context, 256))
     splits = min(16, by_occupancy, by_context)
-    if max_context <= 512:
+    if max_context <= 512 and many:
+        block_n, num_warps = 64, 2
+    elif max_context <= 512:
         block_n, num_warps = (64 if few else 128), 4
     elif programs * splits <= sm_count:  # at most one program per SM: each one wider
         block_n, num_warps = 128, 4

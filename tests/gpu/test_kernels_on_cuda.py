@@ -51,6 +51,8 @@ ATTENTION_CASES = [  # rows, new tokens per row (1: decode, 9: an SMC verify, mo
     (4, 1, 3000, 64, 8),
     (16, 1, 700, 32, 8),
     (16, 9, 2048, 64, 8),
+    (128, 9, 268, 64, 8),  # 16 requests' particles: the many-programs plans
+    (128, 1, 272, 32, 8),
     (3, 5, 8192, 32, 8),
     (2, 128, 1024, 32, 8),
     (5, 17, 200, 16, 8),
