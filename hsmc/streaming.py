@@ -1,10 +1,10 @@
-"""What a decoding driver hands out while it runs, and how token increments become text increments.
+"""How a request's final tokens become text increments, and which tokens of a particle group are final.
 
-A driver (the streaming loop of a model/rejection top, or an SMC level) yields `RequestEvent`s: tokens
-of one request that can no longer change, and on the request's last event its finish reason. For
-an SMC top those tokens are the *consensus prefix*: the longest prefix shared by all N particles of
-the request. Every particle at the end descends from one of the current particles (resampling
-copies whole particles, and tokens are only ever appended), so the output starts with it.
+The request driver hands out `Increment`s (`hsmc.requests`): tokens of one request that can no longer
+change. For an SMC top those tokens are the *consensus prefix*: the longest prefix shared by all N
+particles of the request (`common_prefix_length`). Every particle at the end descends from one of the
+current particles (resampling copies whole particles, and tokens are only ever appended), so the output
+starts with it.
 
 `TextStream` turns a request's final tokens into text increments whose concatenation is always a
 prefix of the final text (`StopCriteria.trim` of the decoded tokens). It holds back what a later
@@ -17,18 +17,9 @@ cost 0.2-0.4 ms per request at 2,048 tokens, on the thread that launches the dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from hsmc.stopping import StopCriteria
-
-
-@dataclass
-class RequestEvent:
-    index: int  # the request: its prompt's index
-    tokens: list[int]  # final tokens since the request's previous event
-    finish_reason: str | None = None  # "stop" or "length" on the request's last event
-    smc: Any | None = None  # an smc top's GroupResult, on the last event
 
 
 def common_prefix_length(sequences: list[list[int]], known: int = 0) -> int:

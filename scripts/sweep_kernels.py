@@ -87,14 +87,6 @@ def sweep_one_row(report: Report, shape: str, fp8: bool) -> None:
                    shape=tag, kind=kind, weight_read_ms=floor, timings=[(str(s), ms) for s, ms in rows])  # fmt: skip
 
 
-# (weight rows per program, K tile, K splits, warps, stages) tried besides the default plan
-FEW_ROW_CANDIDATES = [
-    (32, 256, 1, 2, 3), (32, 256, 1, 2, 5), (32, 128, 1, 2, 6), (32, 128, 1, 2, 8), (64, 128, 1, 2, 4),
-    (64, 128, 1, 2, 5), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (64, 128, 1, 4, 8), (32, 128, 1, 4, 6),
-    (64, 128, 3, 4, 4), (32, 256, 2, 2, 4), (32, 512, 1, 2, 3), (128, 64, 1, 4, 4), (64, 64, 1, 4, 8),
-    (64, 256, 1, 4, 3), (16, 256, 1, 1, 4)]  # fmt: skip
-
-
 def fp8_gemm(report: Report) -> None:
     from hsmc.ops.fp8_gemm import Fp8GemmPlan, fp8_gemm, plan_fp8_gemm
     from hsmc.ops.fp8_linear import quantize_fp8

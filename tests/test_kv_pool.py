@@ -236,13 +236,13 @@ def test_errors_on_misuse():
     with pytest.raises(RuntimeError, match="longer than its block table"):
         tables.append(torch.tensor([0]), torch.tensor([7]), 7)
     slots = alloc.alloc(torch.tensor([2]), 2)[0]
-    alloc.inc_ref(slots[:1])
+    alloc.add_refs(slots[:1], torch.ones(1))  # a second owner of the first slot
     with pytest.raises(RuntimeError, match="shared or already free"):
         alloc.free(slots)
-    alloc.dec_ref_and_free(slots)
+    alloc.add_refs(slots, -torch.ones(2))  # each owner lets go once: the first slot keeps one owner
     alloc.free(slots[:1])
     with pytest.raises(RuntimeError, match="more often than it was referenced"):
-        alloc.dec_ref_and_free(slots[1:])
+        alloc.add_refs(slots[1:], -torch.ones(1))
 
 
 def test_admission_reserves_rows_and_slots_first_come_first_served():

@@ -65,14 +65,6 @@ class SlotAllocator:
         self.refcount.index_add_(0, slots.reshape(-1), weights.reshape(-1).to(torch.int32))
         torch._assert_async((self.refcount[: self.num_slots] >= 0).all(), OVER_RELEASED)
 
-    def inc_ref(self, slots: torch.Tensor) -> None:
-        """One more owner for each entry of `slots`."""
-        self.add_refs(slots, torch.ones_like(slots))
-
-    def dec_ref_and_free(self, slots: torch.Tensor) -> None:
-        """One owner fewer per entry; a slot whose last owner lets go becomes free."""
-        self.add_refs(slots, torch.full_like(slots, -1))
-
     def free(self, slots: torch.Tensor) -> None:
         """Free slots the caller owns alone (refcount exactly 1)."""
         flat = slots.reshape(-1)
