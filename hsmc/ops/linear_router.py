@@ -53,6 +53,11 @@ class Route:
     one_row_plan: DecodeLinearPlan | None = None  # ONE_ROW, dense weights: measured (None: `plan_decode_linear`)
 
 
+def padded_route(kernel: Kernel, rows: int, multiple: int) -> Route:
+    """`kernel` at `rows` rounded up to the multiple of rows its GEMM runs (the FP8 libraries' row tiles)."""
+    return Route(kernel, -(-rows // multiple) * multiple)
+
+
 class LinearRouter:
     """Routes for the Linears on one device, cached per shape (decided from Python ints: no device reads)."""
 
@@ -102,9 +107,8 @@ class LinearRouter:
             scaled = self.tuning.fp8_block_scaled
             if scaled is not None and rows >= scaled.min_rows and block_scaled_supported(n, k, block, dtype):
                 if self._flashinfer_faster(n, k, rows):
-                    multiple = flashinfer_gemm.ROW_MULTIPLE
-                    return Route(Kernel.FP8_ACT_FLASHINFER, -(-rows // multiple) * multiple)
-                return Route(Kernel.FP8_ACT_CUBLASLT, -(-rows // scaled.row_multiple) * scaled.row_multiple)
+                    return padded_route(Kernel.FP8_ACT_FLASHINFER, rows, flashinfer_gemm.ROW_MULTIPLE)
+                return padded_route(Kernel.FP8_ACT_CUBLASLT, rows, scaled.row_multiple)
             return Route(Kernel.FP8_ACT_TRITON, rows)
         if rows <= self.tuning.fp8_weight_only_max_rows:
             return Route(Kernel.FP8_TRITON, rows)

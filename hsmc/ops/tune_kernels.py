@@ -35,7 +35,7 @@ from hsmc.ops.kernel_tuning import (
     current_versions,
     format_tuning,
 )
-from hsmc.ops.linear_router import Kernel, Route
+from hsmc.ops.linear_router import Kernel, Route, padded_route
 from hsmc.ops.triton_backend import run_route
 
 Linears = dict[str, tuple[int, int, bool]]  # name -> (N, K, fed by an RMSNorm)
@@ -290,12 +290,12 @@ def _block_scaled_rows(
         return None
     wins = []
     for rows in FP8_ACT_ROWS:
-        run = -(-rows // multiple) * multiple
+        cublaslt = padded_route(Kernel.FP8_ACT_CUBLASLT, rows, multiple)
         triton_ms = cublaslt_ms = 0.0
         for name, linear in fp8.items():
             inputs = _inputs(rows, linear, linears[name][2])
             triton_ms += _time(bench, Route(Kernel.FP8_ACT_TRITON, rows), linear, inputs)
-            cublaslt_ms += _time(bench, Route(Kernel.FP8_ACT_CUBLASLT, run), linear, inputs)
+            cublaslt_ms += _time(bench, cublaslt, linear, inputs)
         wins.append(cublaslt_ms <= FASTER * triton_ms)
     first = next((i for i in range(len(wins)) if all(wins[i:])), None)
     return BlockScaledRows(FP8_ACT_ROWS[first], multiple) if first is not None else None
@@ -318,10 +318,10 @@ def _flashinfer_gemms(
                 bench.bar.update(2)
                 continue
             inputs = _inputs(rows, linear, norm)
-            cublaslt_rows = -(-rows // block_scaled.row_multiple) * block_scaled.row_multiple
-            cublaslt_ms = _time(bench, Route(Kernel.FP8_ACT_CUBLASLT, cublaslt_rows), linear, inputs)
-            flashinfer_rows = -(-rows // flashinfer_gemm.ROW_MULTIPLE) * flashinfer_gemm.ROW_MULTIPLE
-            if _time(bench, Route(Kernel.FP8_ACT_FLASHINFER, flashinfer_rows), linear, inputs) <= FASTER * cublaslt_ms:
+            cublaslt = padded_route(Kernel.FP8_ACT_CUBLASLT, rows, block_scaled.row_multiple)
+            flashinfer = padded_route(Kernel.FP8_ACT_FLASHINFER, rows, flashinfer_gemm.ROW_MULTIPLE)
+            cublaslt_ms = _time(bench, cublaslt, linear, inputs)
+            if _time(bench, flashinfer, linear, inputs) <= FASTER * cublaslt_ms:
                 faster.add((n, k, rows))
     return LibraryGemms(version, frozenset(faster))
 
