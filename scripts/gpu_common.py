@@ -120,25 +120,26 @@ def graph_ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(capture(fn).replay, return_mode="median", warmup=25, rep=100)
 
 
-def layer_dims(shape: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of each decoder-layer Linear of a named shape."""
+def layer_dims(shape: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(N, K) of each decoder-layer Linear of a named shape, on one of `tp` tensor-parallel ranks (qkv and gate_up
+    split their outputs, o and down their inputs)."""
     cfg = hf_config(shape)
     h, i = cfg.hidden_size, cfg.intermediate_size
     hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    return {"qkv": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, h),
-            "o": (h, cfg.num_attention_heads * hd), "gate_up": (2 * i, h), "down": (h, i)}  # fmt: skip
+    q, kv = cfg.num_attention_heads * hd // tp, cfg.num_key_value_heads * hd // tp
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i // tp, h), "down": (h, i // tp)}
 
 
-def layer_linears(shape: str, fp8: bool, layers: int | None = None) -> list[dict]:
-    """Random weights of a shape's decoder layers: per Linear (weight, None) in bf16 [N, K], or (e4m3 weight, block
-    scales) with `fp8`; `norm1` / `norm2` the RMSNorm weights before qkv / gate_up."""
+def layer_linears(shape: str, fp8: bool, layers: int | None = None, tp: int = 1) -> list[dict]:
+    """Random weights of a shape's decoder layers (one rank's shards at `tp`): per Linear (weight, None) in bf16
+    [N, K], or (e4m3 weight, block scales) with `fp8`; `norm1` / `norm2` the RMSNorm weights before qkv / gate_up."""
     from hsmc.ops.fp8_linear import QWEN_BLOCK, quantize_fp8
 
     cfg = hf_config(shape)
     out = []
     for _ in range(layers or cfg.num_hidden_layers):
         layer: dict = {}
-        for name, (n, k) in layer_dims(shape).items():
+        for name, (n, k) in layer_dims(shape, tp).items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
             layer[name] = quantize_fp8(w, QWEN_BLOCK) if fp8 else (w, None)
         layer["norm1"] = torch.rand(cfg.hidden_size, device="cuda", dtype=torch.bfloat16) + 0.5

@@ -3,6 +3,9 @@ as the entries of the per-GPU plan tables in hsmc/ops (and every timing written 
 
 one-row         tile settings of the one-row (decode) Linears, qwen3-8b bf16 and qwen3-32b / qwen3-8b FP8, all layers
                 of a kind chained with PDL (`decode_linear.plan_decode_linear`).
+few-row         plans of the few-row Linears at 8 rows (the SMC proposal step's), bf16 qwen3-8b at TP 1 and 2 (one
+                rank's shards), all layers of a kind chained with PDL: the router's plan against block_n x block_k x
+                split_k x warps (`few_row_linear.FewRowPlan`), wider than `hsmc tune-kernels`' candidates.
 fp8-gemm        launch settings of the weight-only FP8 GEMM around the planner's at 16 rows (`fp8_gemm.plan_fp8_gemm`).
 w8a8            tile settings of the FP8-activation GEMM at verify sizes, 32B Linears, both operand orders
                 (`fp8_gemm.plan_w8a8`).
@@ -85,6 +88,46 @@ def sweep_one_row(report: Report, shape: str, fp8: bool) -> None:
         report.say(f"  {tag} {kind} [{n}x{k}] x{len(layers)}: best {best}: {best_ms:.3f} ms ({floor / best_ms:.0%} of "
                    f"the weight read); " + " ".join(f"{s}:{ms:.3f}" for s, ms in rows),
                    shape=tag, kind=kind, weight_read_ms=floor, timings=[(str(s), ms) for s, ms in rows])  # fmt: skip
+
+
+def few_row(report: Report) -> None:
+    """8-row Linears in a graph, every layer of a kind chained as a forward chains them (its prologue kernel, PDL)."""
+    from types import SimpleNamespace
+
+    from hsmc.ops.few_row_linear import FewRowPlan, few_row_linear
+    from hsmc.ops.linear_router import router_for
+
+    report.say("== few-row Linears at 8 rows: the router's plan against (block_n, block_k, split_k, warps, stages) ==")
+    router = router_for(torch.device("cuda", torch.cuda.current_device()))
+    sweep = [FewRowPlan(bn, bk, split, warps, 4)
+             for bn in (16, 32, 64) for bk in (128, 256) for split in (1, 2, 4) for warps in (2, 4)]  # fmt: skip
+    for tp in (1, 2):
+        layers = layer_linears("qwen3-8b", False, tp=tp)
+        for kind, step in LINEAR_STEPS.items():
+            n, k = layers[0][kind][0].shape
+            x = torch.randn(8, 2 * k if step.get("silu") else k, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(8, n, device="cuda", dtype=torch.bfloat16)
+            routed = router.plan(x[:, :k].shape, SimpleNamespace(weight=layers[0][kind][0]), x.dtype).few_row_plan
+            floor = report.read_ms(weight_read_bytes(layers, [kind]))
+
+            def chain(plan: FewRowPlan) -> None:
+                for layer in layers:
+                    norm = (layer["norm1"], 1e-6) if step.get("norm") else None
+                    few_row_linear(x, layer[kind][0], norm=norm, silu_mul=bool(step.get("silu")),
+                                   residual=res if step.get("residual") else None, plan=plan)  # fmt: skip
+
+            timed = {}
+            for plan in (routed, *sweep):
+                try:
+                    timed[plan] = graph_ms(lambda plan=plan: chain(plan))
+                except triton.runtime.errors.OutOfResources:
+                    continue
+            best = min(timed, key=timed.get)
+            report.say(f"  qwen3-8b tp{tp} {kind} [{n}x{k}] x{len(layers)}: routed {timed[routed]:.3f} ms "
+                       f"({floor / timed[routed]:.0%} of the weight read); best {best} {timed[best]:.3f} ms "
+                       f"({timed[routed] / timed[best]:.2f}x)",
+                       tp=tp, kind=kind, weight_read_ms=floor, routed=str(routed),
+                       timings=[(str(p), ms) for p, ms in timed.items()])  # fmt: skip
 
 
 def fp8_gemm(report: Report) -> None:
@@ -264,6 +307,6 @@ def decode_forward(report: Report) -> None:
 
 
 if __name__ == "__main__":
-    parts = {"one-row": one_row, "fp8-gemm": fp8_gemm, "w8a8": w8a8, "attention": attention,
+    parts = {"one-row": one_row, "few-row": few_row, "fp8-gemm": fp8_gemm, "w8a8": w8a8, "attention": attention,
              "shared-prefix": shared_prefix, "decode-forward": decode_forward}  # fmt: skip
     run_parts(__doc__.split("\n\n")[0], parts, "sweep_kernels")
