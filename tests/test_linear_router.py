@@ -311,8 +311,8 @@ def test_the_sweep_records_a_one_row_plan_only_where_it_beats_the_default(monkey
     best = {1536: DecodeLinearPlan(4, 512, 4, 1, True), 4096: DecodeLinearPlan(8, 1024, 8, 1, False)}
     timed: dict[int, list] = {}
 
-    def fake_time(bench, route, linear, inputs):
-        n, k = linear.weight.shape
+    def fake_time(bench, route, chain, inputs):
+        n, k = chain[0].weight.shape
         timed.setdefault(k, []).append((route.one_row_plan, inputs))
         if route.one_row_plan is None:
             return 1.0
@@ -320,7 +320,8 @@ def test_the_sweep_records_a_one_row_plan_only_where_it_beats_the_default(monkey
             return {4096: 0.9, 3072: 0.99}.get(k, 0.9)  # the down's best is within the noise of its default
         return 1.5
 
-    monkeypatch.setattr(tune_kernels, "_time", fake_time)
+    monkeypatch.setattr(tune_kernels, "_chain", lambda linear: [linear])
+    monkeypatch.setattr(tune_kernels, "_chain_ms", fake_time)
     dense = {name: nn.Linear(k, n, bias=False, device="meta") for name, (n, k, _) in linears.items()}
     monkeypatch.setattr(tune_kernels, "_inputs", lambda rows, linear, norm, silu=False: {"norm": norm, "silu": silu})
     plans = tune_kernels._one_row_plans(None, linears, dense)
@@ -330,6 +331,77 @@ def test_the_sweep_records_a_one_row_plan_only_where_it_beats_the_default(monkey
     assert len(timed[4096]) == len(timed[3072]) == 1 + len(tune_kernels.ONE_ROW_CANDIDATES)
     assert {(i["norm"], i["silu"]) for _, i in timed[3072]} == {(False, True)}
     assert {(i["norm"], i["silu"]) for _, i in timed[4096]} == {(True, False)}
+
+
+def test_the_sweep_times_few_row_plans_in_chains_and_records_one_only_where_it_wins(monkeypatch):
+    """`_few_row_plans` with timings given: every candidate and the 32-row tile's cuBLAS baseline are timed on the
+    same chain; a 16-row plan is recorded at most FASTER of the default plan's time, a 32-row plan at most FASTER of
+    cuBLAS's (otherwise those rows stay on the GEMM)."""
+    from hsmc.ops import tune_kernels
+
+    linears = {"qwen3-8b gate_up tp2": (12288, 4096, True)}
+    dense = {name: nn.Linear(k, n, bias=False, device="meta") for name, (n, k, _) in linears.items()}
+    winner = tune_kernels.FEW_ROW_CANDIDATES[5]
+    chains, timed = [], []
+
+    def fake_chain(linear):
+        chains.append([linear, nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")])
+        return chains[-1]
+
+    def fake_chain_ms(bench, route, chain, inputs):
+        timed.append((route, chain))
+        if route.kernel is Kernel.BLAS:
+            return 0.5  # cuBLAS beats every 32-row plan
+        return 0.9 if route.few_row_plan == winner else 1.0
+
+    monkeypatch.setattr(tune_kernels, "_chain", fake_chain)
+    monkeypatch.setattr(tune_kernels, "_chain_ms", fake_chain_ms)
+    monkeypatch.setattr(tune_kernels, "_inputs", lambda rows, linear, norm, silu=False: {})
+    plans = tune_kernels._few_row_plans(None, linears, dense, torch.device("cpu"))
+    assert plans == {(12288, 4096, 16): winner}
+    assert len(chains) == 1 and all(chain is chains[0] for _, chain in timed)
+    kinds = [route.kernel for route, _ in timed]
+    assert kinds.count(Kernel.BLAS) == 1
+    assert kinds.count(Kernel.FEW_ROWS) == 2 * (1 + len(tune_kernels.FEW_ROW_CANDIDATES))
+
+
+def test_a_timed_chain_holds_twice_the_l2_caches_bytes_in_distinct_weights(monkeypatch):
+    """`_chain`: the Linear first, then new weights of its shape, at least 2 and at most MAX_CHAIN in all, enough
+    that the chain's weights hold twice the L2 cache's bytes (no weight read twice from the cache in a replay)."""
+    from hsmc.ops import tune_kernels
+
+    l2 = 50 * 2**20
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(L2_cache_size=l2))
+    for n, k, want in ((4096, 2048, 7), (24576, 4096, 2), (1024, 256, tune_kernels.MAX_CHAIN)):
+        linear = nn.Linear(k, n, bias=False, device="meta", dtype=torch.bfloat16)
+        chain = tune_kernels._chain(linear)
+        assert chain[0] is linear and len(chain) == want, (n, k)
+        assert len({id(c.weight) for c in chain}) == want
+        assert all(c.weight.shape == (n, k) and c.weight.dtype == torch.bfloat16 for c in chain)
+        if want < tune_kernels.MAX_CHAIN:
+            assert want * linear.weight.nbytes >= 2 * l2 > (want - 1) * linear.weight.nbytes or want == 2
+
+
+def test_the_weight_only_fp8_threshold_is_the_last_row_count_before_triton_loses(monkeypatch):
+    """`_fp8_weight_only_max_rows` with timings given: the Triton GEMM wins at 64 and 128 rows and loses at 256, so
+    the threshold is 128; the row counts after the loss are not timed, and the progress bar still reaches its total."""
+    from hsmc.ops import tune_kernels
+
+    linears = {"qwen3-8b o": (4096, 4096, False), "qwen3-8b qkv": (6144, 4096, True)}
+    modules = {name: fp8(n, k, dynamic=False) for name, (n, k, _) in linears.items()}
+    timed = []
+
+    def fake_time(bench, route, linear, inputs):
+        timed.append(route.run_rows)
+        return (0.5 if route.run_rows <= 128 else 2.0) if route.kernel is Kernel.FP8_TRITON else 1.0
+
+    monkeypatch.setattr(tune_kernels, "_time", fake_time)
+    monkeypatch.setattr(tune_kernels, "_inputs", lambda rows, linear, norm, silu=False: {})
+    bar_steps = []
+    bench = types.SimpleNamespace(bar=types.SimpleNamespace(update=bar_steps.append))
+    assert tune_kernels._fp8_weight_only_max_rows(bench, linears, modules) == 128
+    assert sorted(set(timed)) == [64, 128, 256]
+    assert len(timed) + sum(bar_steps) == 2 * len(modules) * len(tune_kernels.FP8_WEIGHT_ONLY_ROWS)
 
 
 def test_the_sweep_sends_an_fp8_gemm_to_flashinfer_only_where_it_beats_cublaslt(monkeypatch):

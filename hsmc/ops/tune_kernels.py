@@ -1,7 +1,13 @@
 """`hsmc tune-kernels`: measure on this GPU the choices the router reads from a tuning file (`kernel_tuning.py`) and
 write that file. Each candidate runs as the backend runs it (`triton_backend.run_route`) on random weights of the
 Qwen3-8B / 32B Linear shapes at the row counts the engine runs; a choice other than the default is recorded where
-it took at most `FASTER` of the default's time (the median of `triton.testing.do_bench`, L2 flushed per call)."""
+it took at most `FASTER` of the default's time (the median of `triton.testing.do_bench`, L2 flushed per call).
+
+The one-row and few-row plans are timed as a forward runs those kernels: a chain of copies of the Linear, more
+weight bytes than the L2 cache holds, replayed from a CUDA graph, where each kernel loads its first weights while
+the one before it finishes (PDL). A lone call cannot show that overlap: on an H200, timed alone, the 8-row plan
+picked for the 8B's TP = 2 gate_up ran its chain 1.28x slower than another plan
+(docs/measurements/2026-11-30-h200x2-chained-plan-tuning.txt)."""
 
 from __future__ import annotations
 
@@ -89,6 +95,7 @@ FP8_WEIGHT_ONLY_ROWS = (64, 128, 256, 512, 1024)
 FP8_ACT_ROWS = (2, 8, 16, 32, 72, 128, 144, 256, 1152)
 SCALED_MM_PROBE_ROWS = (*range(1, 33), 72, 144, 1152)
 FASTER = 0.98
+MAX_CHAIN = 32  # copies of a Linear in a timed chain (a small one needs many to pass the L2 cache's size)
 FP8_CAPABILITY = (8, 9)  # e4m3 in Triton's kernels: Ada, Hopper and newer
 
 
@@ -185,6 +192,38 @@ def _inputs(rows: int, linear: nn.Module, norm: bool, silu: bool = False) -> dic
     return {"x": x, "residual": torch.randn(rows, n, device=x.device, dtype=x.dtype), "silu_mul": silu}
 
 
+def _chain(linear: nn.Linear) -> list[nn.Linear]:
+    """`linear` and random copies of its shape: weights of at least twice the L2 cache's bytes, so that a chain of
+    them reads every weight from memory, as a forward's Linears do."""
+    n, k = linear.weight.shape
+    l2 = torch.cuda.get_device_properties(linear.weight.device).L2_cache_size
+    copies = min(MAX_CHAIN, max(2, math.ceil(2 * l2 / (linear.weight.nbytes))))
+    return [linear, *(_dense(n, k, linear.weight.device) for _ in range(copies - 1))]
+
+
+def _chain_ms(bench: _Bench, route: Route, chain: list[nn.Linear], inputs: dict) -> float:
+    """Milliseconds a call in `chain`, the calls back to back in one CUDA graph; infinite for a plan this GPU cannot
+    run."""
+
+    def run() -> None:
+        for linear in chain:
+            run_route(route, linear=linear, **inputs)
+
+    try:
+        run()  # compiled and warmed outside the capture
+    except OutOfResources:
+        bench.bar.update()
+        return math.inf
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        run()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return bench.ms(graph.replay) / len(chain)
+
+
 def _time(bench: _Bench, route: Route, linear: nn.Module, inputs: dict) -> float:
     """Milliseconds; infinite for a candidate this GPU cannot run (a few-row plan's stages beyond its shared memory)."""
     try:
@@ -198,8 +237,9 @@ def _one_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear])
     plans = {}
     for name, (n, k, norm) in linears.items():
         inputs = _inputs(1, dense[name], norm, silu=SILU_FED in name)
+        chain = _chain(dense[name])
         timed = {
-            plan: _time(bench, Route(Kernel.ONE_ROW, 1, one_row_plan=plan), dense[name], inputs)
+            plan: _chain_ms(bench, Route(Kernel.ONE_ROW, 1, one_row_plan=plan), chain, inputs)
             for plan in (None, *_one_row_candidates(name, norm))
         }
         best = min(timed, key=timed.get)
@@ -217,16 +257,17 @@ def _few_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear],
     """The fastest plan per shape and row tile; a 32-row plan only where it beats the GEMM."""
     plans = {}
     for name, (n, k, norm) in linears.items():
+        chain = _chain(dense[name])
         for tile, rows in FEW_ROW_TILES.items():
             inputs = _inputs(rows, dense[name], norm)
             default = default_few_row_plan(n, k, device)
             timed = {
-                plan: _time(bench, Route(Kernel.FEW_ROWS, rows, few_row_plan=plan), dense[name], inputs)
+                plan: _chain_ms(bench, Route(Kernel.FEW_ROWS, rows, few_row_plan=plan), chain, inputs)
                 for plan in (default, *FEW_ROW_CANDIDATES)
             }
             best = min(timed, key=timed.get)
             # 2..16 rows take the kernel anyway (its default plan unless another is faster); 17..32 where it wins
-            baseline = timed[default] if tile == 16 else _time(bench, Route(Kernel.BLAS, rows), dense[name], inputs)
+            baseline = timed[default] if tile == 16 else _chain_ms(bench, Route(Kernel.BLAS, rows), chain, inputs)
             if timed[best] <= FASTER * baseline:
                 plans[n, k, tile] = best
     return plans
@@ -269,13 +310,14 @@ def _padded_rows(
 def _fp8_weight_only_max_rows(bench: _Bench, linears: Linears, fp8: dict[str, Fp8Linear]) -> int:
     """The most rows up to which the Triton weight-only GEMM beats dequantizing for cuBLAS, over all shapes."""
     most = 32
-    for rows in FP8_WEIGHT_ONLY_ROWS:
+    for i, rows in enumerate(FP8_WEIGHT_ONLY_ROWS):
         triton_ms = dequantized_ms = 0.0
         for name, linear in fp8.items():
             inputs = _inputs(rows, linear, linears[name][2])
             triton_ms += _time(bench, Route(Kernel.FP8_TRITON, rows), linear, inputs)
             dequantized_ms += _time(bench, Route(Kernel.FP8_DEQUANTIZED, rows), linear, inputs)
         if triton_ms > dequantized_ms:
+            bench.bar.update(2 * len(fp8) * (len(FP8_WEIGHT_ONLY_ROWS) - 1 - i))  # counted in the total, not timed
             break
         most = rows
     return most
