@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's checks and timings in one call, every output under $OUT (default: ./gpu-session-out):
 #
-#   bash scripts/gpu_session.sh tests            # the GPU suite (python -m pytest -m gpu tests/gpu)
+#   bash scripts/gpu_session.sh tests            # the GPU suite (python -m pytest -m gpu tests/gpu): 593 s on an H200
+#   bash scripts/gpu_session.sh tests-stacks     # the suite in two parts of roughly half its time each, for calls
+#   bash scripts/gpu_session.sh tests-ops        #   limited to 10 minutes: the models and stacks; all the other files
 #   bash scripts/gpu_session.sh fp8              # FP8 SMC-SD at 1 and 16 requests, and 16 requests over
 #                                                # 2,048-token prompts with and without the shared-prefix pass
 #   bash scripts/gpu_session.sh attention        # the attention planner's sweeps and the particles' cascade
@@ -33,12 +35,20 @@ run() {  # run NAME COMMAND...: the command's output in $OUT/NAME.txt, its exit 
     tail -n 4 "$OUT/$name.txt"
 }
 
+STACK_TESTS=(tests/gpu/test_models_on_cuda.py tests/gpu/test_stacks_on_cuda.py tests/gpu/test_smc_stacks_on_cuda.py)
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 cat "$OUT/gpus.txt"
 for part in "${@:-tests}"; do
     case $part in
     tests)
         run gpu-tests python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=15
+        ;;
+    tests-stacks)
+        run gpu-tests-stacks python3 -m pytest -q -m gpu "${STACK_TESTS[@]}" -p no:cacheprovider --durations=15
+        ;;
+    tests-ops)
+        run gpu-tests-ops python3 -m pytest -q -m gpu tests/gpu "${STACK_TESTS[@]/#/--ignore=}" -p no:cacheprovider \
+            --durations=15
         ;;
     fp8)
         run fp8-routes python3 scripts/bench_fp8_routes.py --batch 1,16 --out "$OUT/fp8-routes"
@@ -59,7 +69,7 @@ for part in "${@:-tests}"; do
         done
         ;;
     *)
-        echo "unknown part '$part' (tests, fp8, attention, tp)" >&2
+        echo "unknown part '$part' (tests, tests-stacks, tests-ops, fp8, attention, tp)" >&2
         exit 2
         ;;
     esac
