@@ -197,13 +197,13 @@ def _chain(linear: nn.Linear) -> list[nn.Linear]:
     them reads every weight from memory, as a forward's Linears do."""
     n, k = linear.weight.shape
     l2 = torch.cuda.get_device_properties(linear.weight.device).L2_cache_size
-    copies = min(MAX_CHAIN, max(2, math.ceil(2 * l2 / (linear.weight.nbytes))))
+    copies = min(MAX_CHAIN, max(2, math.ceil(2 * l2 / linear.weight.nbytes)))
     return [linear, *(_dense(n, k, linear.weight.device) for _ in range(copies - 1))]
 
 
 def _chain_ms(bench: _Bench, route: Route, chain: list[nn.Linear], inputs: dict) -> float:
-    """Milliseconds a call in `chain`, the calls back to back in one CUDA graph; infinite for a plan this GPU cannot
-    run."""
+    """Milliseconds per call of `route`, each Linear of `chain` called in turn from one CUDA graph; infinite for a
+    plan this GPU cannot run."""
 
     def run() -> None:
         for linear in chain:
