@@ -72,9 +72,7 @@ class ModelRunner:
         row's table, RoPE positions equal the columns, and padding writes to the trash slot."""
         slots, start, positions = self.tables.append(rows, num_new, tokens.shape[1])
         context = self.scope.bucket or max(1, min(max_context, self.tables.max_row_tokens))
-        return ForwardBatch(
-            rows, self.tables.table, tokens, positions, slots, start, num_new, context, prefix_run=self.prefix_run
-        )
+        return self._batch(rows, tokens, positions, slots, start, num_new, context)
 
     def forward(self, batch: ForwardBatch, last_only: bool = False, **inputs: torch.Tensor) -> tuple[Any, ...]:
         """The module's outputs for `batch` (rows first); graph outputs are views valid until the same
@@ -95,7 +93,21 @@ class ModelRunner:
         """The forward unit: a batch's tensors and extra inputs (`names`), planned for the context bucket it runs in."""
         rows, tokens, positions, write_slots, start, num_new, *extras = tensors
         context = self.scope.bucket or self.tables.max_row_tokens
-        batch = ForwardBatch(
-            rows, self.tables.table, tokens, positions, write_slots, start, num_new, context, prefix_run=self.prefix_run
-        )
+        batch = self._batch(rows, tokens, positions, write_slots, start, num_new, context)
         return self.eager(batch, last_only, dict(zip(names, extras)))
+
+    def _batch(
+        self,
+        rows: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        start: torch.Tensor,
+        num_new: torch.Tensor,
+        max_context: int,
+    ) -> ForwardBatch:
+        """A batch over this runner's tables, its rows in this runner's runs (`prefix_run`)."""
+        table = self.tables.table
+        return ForwardBatch(
+            rows, table, tokens, positions, write_slots, start, num_new, max_context, prefix_run=self.prefix_run
+        )

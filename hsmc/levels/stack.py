@@ -204,7 +204,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, t
             verifier = model_of(above).model
             head, head_config = heads[i]
             layers = capture_layers(head_config, verifier.config.num_layers)
-            runner = ModelRunner(head, tables(), backend, 1, graphs, scope, prefix_run=run)
+            runner = ModelRunner(head, tables(), backend, num_layers=1, cuda_graphs=graphs, scope=scope, prefix_run=run)
             embed = verifier.model.embed_tokens
             if above.kind == "smc" and head.draft_vocab_size < head.config.vocab_size:
                 raise ConfigError(
@@ -227,7 +227,7 @@ def build_stack(cfg: HsmcConfig, models: dict[str, LoadedModel] | None = None, t
         below: Level | None = levels[-1] if levels else None
         capture = below.feature_layers if below is not None else ()
         num_layers = model.model.config.num_layers
-        runner = ModelRunner(model.model, tables(), backend, num_layers, graphs, scope, run, capture=capture)
+        runner = ModelRunner(model.model, tables(), backend, num_layers, graphs, scope, prefix_run=run, capture=capture)
         state = SequenceState(runner, rows, capacity, cfg.engine.prefill_chunk_tokens)
         if lc.kind == "model":
             is_top = i == len(cfg.levels) - 1
