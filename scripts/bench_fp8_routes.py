@@ -1,9 +1,10 @@
 """Batched FP8 SMC-SD at the compute bound (issue 30 item 6): the FP8 8B -> FP8 32B stack (N = 8, K = 8, FP8
-activations) at 1 and 16 requests, in one run with the FP8-activation GEMMs on cuBLASLt's block-scaled GEMM alone and
-on the routes this GPU's tuning file picks (flashinfer's GEMM where it measured faster, if installed), each against
-its weight-read bound; `--triton` adds Triton's w8a8 kernel (the route before cuBLASLt's). `--prompt-tokens 2048`
-with `--row-by-row` adds the tuned routes with the particles' attention read row by row (`paged_attention.shares_prefix`
-never taken), the baseline of reading each request's shared prompt once.
+activations) at 1 and 16 requests, in one run with the FP8-activation GEMMs on cuBLASLt's block-scaled GEMM alone
+(from 2 rows on) and on the routes this GPU's tuning file picks (the Triton GEMM below its block-scaled rows,
+flashinfer's GEMM where it measured faster, if installed), each against its weight-read bound; `--triton` adds
+Triton's w8a8 kernel at every row count (the route before cuBLASLt's). `--prompt-tokens 2048` with `--row-by-row`
+adds the tuned routes with the particles' attention read row by row (`paged_attention.shares_prefix` never taken),
+the baseline of reading each request's shared prompt once.
 
     python scripts/bench_fp8_routes.py [--batch 1,16] [--prompt-tokens 128] [--new-tokens 128] [--triton]
         [--row-by-row] [--out DIR]
@@ -45,8 +46,10 @@ def main() -> None:
     on_flashinfer = len(tuned.fp8_flashinfer.gemms) if tuned.fp8_flashinfer else 0
     print(f"tuning: {tuned.source}; FP8 block-scaled: {tuned.fp8_block_scaled}; on flashinfer: {on_flashinfer}")
     shared_runs = paged_attention.MIN_SHARED_RUNS
+    scaled = tuned.fp8_block_scaled
+    from_two_rows = dataclasses.replace(scaled, min_rows=2) if scaled is not None else None
     variants = [
-        ("cuBLASLt", dataclasses.replace(tuned, fp8_flashinfer=None), shared_runs),
+        ("cuBLASLt", dataclasses.replace(tuned, fp8_block_scaled=from_two_rows, fp8_flashinfer=None), shared_runs),
         ("tuned", tuned, shared_runs),
     ]
     if args.triton:

@@ -9,6 +9,9 @@ few-row         plans of the few-row Linears at 8 rows (the SMC proposal step's)
 fp8-gemm        launch settings of the weight-only FP8 GEMM around the planner's at 16 rows (`fp8_gemm.plan_fp8_gemm`).
 w8a8            tile settings of the FP8-activation GEMM at verify sizes, 32B Linears, both operand orders
                 (`fp8_gemm.plan_w8a8`).
+fp8-routes      per Linear kind of the FP8 8B and 32B at proposal and verify rows, all layers chained: cuBLASLt's
+                block-scaled GEMM against the Triton FP8-activation GEMM's tiles and K splits (`fp8_gemm.plan_w8a8`).
+qkv-rope        the q/k norm + RoPE + KV write at 1..1152 tokens: heads per program x warps (`fused.qkv_rope_plan`).
 attention       decode (1 query token per row) and verify (9) attention: the planner's plan against every query
                 tile x split x key block x warps setting (`paged_attention.plan_attention`).
 shared-prefix   16 requests of 8 SMC particles reading their prompt once: the shared-prefix pass's splits x key
@@ -196,6 +199,104 @@ def w8a8(report: Report) -> None:
                    rows=m, weight_read_ms=floor, totals=totals)  # fmt: skip
 
 
+def fp8_routes(report: Report) -> None:
+    """Per Linear kind, every layer chained in a graph with its quantizing prologue (norm / SiLU / none) as a forward
+    runs it: cuBLASLt's block-scaled GEMM (the residual added after) against the Triton GEMM at its planned tiles
+    and at swept tiles and K splits (the residual added as it rounds)."""
+    from hsmc.ops.fp8_gemm import (
+        W8A8Plan,
+        block_scaled_matmul,
+        plan_w8a8,
+        quantize_groups,
+        rms_norm_quantize,
+        silu_mul_quantize,
+        w8a8_matmul,
+    )
+
+    report.say("== FP8-activation routes per Linear kind: cuBLASLt against the Triton GEMM, layers chained ==")
+    settings = [(64, 64, 1, True), (64, 64, 2, True), (64, 64, 4, True), (128, 64, 1, True), (128, 64, 2, True),
+                (128, 128, 1, False)]  # fmt: skip
+    cases = {"qwen3-8b": (8, 128), "qwen3-32b": (72, 144, 1152)}
+    for shape, row_counts in cases.items():
+        layers = layer_linears(shape, True)
+        for m in row_counts:
+            for kind, step in LINEAR_STEPS.items():
+                n, k = layers[0][kind][0].shape
+                x = torch.randn(m, 2 * k if step.get("silu") else k, device="cuda", dtype=torch.bfloat16)
+                res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if step.get("residual") else None
+                floor = report.read_ms(weight_read_bytes(layers, [kind]))
+
+                def quantize(layer, rows, column_major, step=step, x=x):
+                    layout = dict(rows=rows, column_major_scales=column_major)
+                    if step.get("norm"):
+                        return rms_norm_quantize(x, layer["norm1"], 1e-6, 128, **layout)
+                    if step.get("silu"):
+                        return silu_mul_quantize(x, 128, **layout)
+                    return quantize_groups(x, 128, **layout)
+
+                def cublaslt(layers=layers, kind=kind, res=res, m=m, quantize=quantize):
+                    for layer in layers:
+                        q, s = quantize(layer, -(-m // 4) * 4, True)
+                        out = block_scaled_matmul(q, s, *layer[kind], torch.bfloat16, m)
+                        if res is not None:
+                            out = res + out
+
+                def triton_gemm(plan, layers=layers, kind=kind, res=res, m=m, quantize=quantize):
+                    for layer in layers:
+                        q, s = quantize(layer, m, False)
+                        w8a8_matmul(q, s, *layer[kind], QWEN_BLOCK, torch.bfloat16, plan, res)
+
+                plans = {"planned": plan_w8a8(m, n, k, 128, torch.device("cuda"))}
+                plans |= {f"{'s' if swap else 'n'}{bm}x{bn}/k{split}": W8A8Plan(bm, bn, split, 4, 4, swap)
+                          for bm, bn, split, swap in settings}  # fmt: skip
+                timed = {"cublaslt": graph_ms(cublaslt)}
+                for label, plan in plans.items():
+                    try:
+                        timed[label] = graph_ms(lambda plan=plan: triton_gemm(plan))
+                    except Exception as e:  # a setting that does not compile is a sweep result
+                        report.say(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                best = min(timed, key=timed.get)
+                report.say(f"  {shape} M={m} {kind} [{n}x{k}] x{len(layers)}: cublaslt {timed['cublaslt']:.3f} ms "
+                           f"({floor / timed['cublaslt']:.0%} of the weight read), triton planned "
+                           f"{timed.get('planned', float('nan')):.3f}; best {best} {timed[best]:.3f} ms "
+                           f"({timed['cublaslt'] / timed[best]:.2f}x cublaslt)",
+                           shape=shape, rows=m, kind=kind, weight_read_ms=floor, timings=timed)  # fmt: skip
+
+
+def qkv_rope(report: Report) -> None:
+    """The q/k norm + RoPE + KV write at decode, proposal and verify token counts: heads per program x warps."""
+    from hsmc.ops.backend import HeadLayout
+
+    report.say("== q/k norm + RoPE + KV write: heads per program x warps ==")
+    for shape, heads in {"qwen3-8b": HeadLayout(32, 8, 128), "qwen3-32b": HeadLayout(64, 8, 128)}.items():
+        for tokens in (1, 8, 72, 128, 1152):
+            width = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim
+            qkv = torch.randn(1, tokens, width, device="cuda", dtype=torch.bfloat16)
+            slots = torch.randperm(4 * tokens + 64, device="cuda")[:tokens]
+            keys = torch.empty(4 * tokens + 64, heads.num_kv_heads, heads.head_dim, device="cuda",
+                               dtype=torch.bfloat16)  # fmt: skip
+            values = torch.empty_like(keys)
+            positions = torch.arange(tokens, device="cuda") + 300
+            inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+            norm_w = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+            moved = tokens * (width + 2 * heads.num_kv_heads * heads.head_dim + heads.num_heads * heads.head_dim) * 2
+            timed = {}
+            for plan in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)):
+
+                def run(plan=plan):
+                    for _ in range(20):
+                        fused.qkv_rope_store(qkv, heads.num_heads, heads.num_kv_heads, heads.head_dim,
+                                             (norm_w, norm_w, 1e-6), positions, inv_freq, 1.0, slots, keys, values,
+                                             heads_per_program=plan)  # fmt: skip
+
+                timed[plan] = graph_ms(run) / 20 * 1e3
+            best = min(timed, key=timed.get)
+            report.say(f"  {shape} {tokens} tokens: one head a program {timed[(1, 1)]:.1f} us, planned "
+                       f"{fused.qkv_rope_plan(tokens)} {timed[fused.qkv_rope_plan(tokens)]:.1f} us, best {best} "
+                       f"{timed[best]:.1f} us ({report.read_ms(moved) * 1e3:.1f} us at the copy bandwidth)",
+                       shape=shape, tokens=tokens, timings_us=[(str(p), t) for p, t in timed.items()])  # fmt: skip
+
+
 def attention(report: Report) -> None:
     from hsmc.ops.paged_attention import AttentionPlan
 
@@ -307,6 +408,7 @@ def decode_forward(report: Report) -> None:
 
 
 if __name__ == "__main__":
-    parts = {"one-row": one_row, "few-row": few_row, "fp8-gemm": fp8_gemm, "w8a8": w8a8, "attention": attention,
-             "shared-prefix": shared_prefix, "decode-forward": decode_forward}  # fmt: skip
+    parts = {"one-row": one_row, "few-row": few_row, "fp8-gemm": fp8_gemm, "w8a8": w8a8, "fp8-routes": fp8_routes,
+             "qkv-rope": qkv_rope, "attention": attention, "shared-prefix": shared_prefix,
+             "decode-forward": decode_forward}  # fmt: skip
     run_parts(__doc__.split("\n\n")[0], parts, "sweep_kernels")

@@ -366,8 +366,9 @@ def test_the_sweep_times_few_row_plans_in_chains_and_records_one_only_where_it_w
 
 
 def test_a_timed_chain_holds_twice_the_l2_caches_bytes_in_distinct_weights(monkeypatch):
-    """`_chain`: the Linear first, then new weights of its shape, at least 2 and at most MAX_CHAIN in all, enough
-    that the chain's weights hold twice the L2 cache's bytes (no weight read twice from the cache in a replay)."""
+    """`_chain`: the Linear first, then new weights of its shape and kind (dense or FP8), at least 2 and at most
+    MAX_CHAIN in all, enough that the chain's weights hold twice the L2 cache's bytes (no weight read twice from the
+    cache in a replay)."""
     from hsmc.ops import tune_kernels
 
     l2 = 50 * 2**20
@@ -380,6 +381,9 @@ def test_a_timed_chain_holds_twice_the_l2_caches_bytes_in_distinct_weights(monke
         assert all(c.weight.shape == (n, k) and c.weight.dtype == torch.bfloat16 for c in chain)
         if want < tune_kernels.MAX_CHAIN:
             assert want * linear.weight.nbytes >= 2 * l2 > (want - 1) * linear.weight.nbytes or want == 2
+    fp8_chain = tune_kernels._chain(tune_kernels._fp8(nn.Linear(4096, 6144, bias=False, device="meta")))
+    assert len(fp8_chain) == 5 and all(isinstance(c, Fp8Linear) for c in fp8_chain)  # 24 MiB of e4m3 each
+    assert all(c.weight.dtype == torch.float8_e4m3fn and c.weight.shape == (6144, 4096) for c in fp8_chain)
 
 
 def test_the_weight_only_fp8_threshold_is_the_last_row_count_before_triton_loses(monkeypatch):
@@ -404,6 +408,36 @@ def test_the_weight_only_fp8_threshold_is_the_last_row_count_before_triton_loses
     assert len(timed) + sum(bar_steps) == 2 * len(modules) * len(tune_kernels.FP8_WEIGHT_ONLY_ROWS)
 
 
+def test_the_block_scaled_threshold_is_timed_in_chains_from_the_rows_where_cublaslt_always_wins(monkeypatch):
+    """`_block_scaled_rows` with timings given: both FP8-activation GEMMs run each shape's one chain (a lone call
+    hides the Triton kernels' PDL overlap); cuBLASLt's summed time wins at 2 rows, loses at 8 and 16 and wins from 32
+    on, so the threshold is 32, at the row multiple cuBLASLt accepts."""
+    from hsmc.ops import tune_kernels
+
+    linears = {"qwen3-8b o": (4096, 4096, False), "qwen3-8b qkv": (6144, 4096, True)}
+    modules = {name: fp8(n, k, dynamic=True) for name, (n, k, _) in linears.items()}
+    chains, timed = {}, []
+
+    def fake_chain(linear):
+        chains[linear.weight.shape[0]] = [linear, fp8(linear.weight.shape[0], linear.weight.shape[1], dynamic=True)]
+        return chains[linear.weight.shape[0]]
+
+    def fake_chain_ms(bench, route, chain, inputs):
+        timed.append((route, chain))
+        if route.kernel is Kernel.FP8_ACT_CUBLASLT:
+            return 1.0
+        return 0.8 if inputs["rows"] in (8, 16) else 1.1
+
+    monkeypatch.setattr(tune_kernels, "_scaled_mm_row_multiple", lambda device: 4)
+    monkeypatch.setattr(tune_kernels, "_chain", fake_chain)
+    monkeypatch.setattr(tune_kernels, "_chain_ms", fake_chain_ms)
+    monkeypatch.setattr(tune_kernels, "_inputs", lambda rows, linear, norm, silu=False: {"rows": rows})
+    assert tune_kernels._block_scaled_rows(None, linears, modules, torch.device("cpu")) == BlockScaledRows(32, 4)
+    assert len(timed) == 2 * len(modules) * len(tune_kernels.FP8_ACT_ROWS)
+    assert {id(chain) for _, chain in timed} == {id(chain) for chain in chains.values()} and len(chains) == 2
+    assert {route.kernel for route, _ in timed} == {Kernel.FP8_ACT_CUBLASLT, Kernel.FP8_ACT_TRITON}
+
+
 def test_the_sweep_sends_an_fp8_gemm_to_flashinfer_only_where_it_beats_cublaslt(monkeypatch):
     """`_flashinfer_gemms` with timings given: an (N, K, rows) is recorded at most FASTER of cuBLASLt's time, each
     side on the rows it runs (cuBLASLt's multiple, flashinfer's 4), rows below cuBLASLt's threshold not timed; none
@@ -416,13 +450,14 @@ def test_the_sweep_sends_an_fp8_gemm_to_flashinfer_only_where_it_beats_cublaslt(
     modules = {name: fp8(n, k, dynamic=True) for name, (n, k, _) in linears.items()}
     timed = []
 
-    def fake_time(bench, route, linear, inputs):
-        timed.append((linear.weight.shape[0], inputs["rows"], route))
+    def fake_chain_ms(bench, route, chain, inputs):
+        timed.append((chain[0].weight.shape[0], inputs["rows"], route))
         if route.kernel is Kernel.FP8_ACT_CUBLASLT:
             return 1.0
-        return 0.9 if linear.weight.shape[0] == 4096 and inputs["rows"] <= 128 else 0.99
+        return 0.9 if chain[0].weight.shape[0] == 4096 and inputs["rows"] <= 128 else 0.99
 
-    monkeypatch.setattr(tune_kernels, "_time", fake_time)
+    monkeypatch.setattr(tune_kernels, "_chain", lambda linear: [linear])
+    monkeypatch.setattr(tune_kernels, "_chain_ms", fake_chain_ms)
     bar_steps = []
     bench = types.SimpleNamespace(bar=types.SimpleNamespace(update=bar_steps.append))
     got = tune_kernels._flashinfer_gemms(bench, linears, modules, BlockScaledRows(8, 16))

@@ -562,7 +562,11 @@ def fp8_module(linear: torch.nn.Linear) -> Fp8Linear:
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-qk-norm"])
-def test_fused_qkv_rope_and_kv_write_match_reference(dtype, qk_norm):
+@pytest.mark.parametrize("plan", [(1, 1), (2, 1), (8, 4)], ids=["head", "2-heads", "8-heads"])
+def test_fused_qkv_rope_and_kv_write_match_reference(dtype, qk_norm, plan, monkeypatch):
+    """Every head grouping (8 heads a program: more than the 4 q and 2 kv heads, masked) writes the reference's q
+    and KV."""
+    monkeypatch.setattr(fused, "qkv_rope_plan", lambda tokens: plan)
     torch.manual_seed(2)
     heads = HeadLayout(4, 2, 16)
     batch = random_batch(random.Random(2), 3, 4, 12, 90)

@@ -7,7 +7,8 @@
   an RMSNorm or SiLU·mul the quantizer is that kernel too (`rms_norm_quantize`, `silu_mul_quantize`: the same
   bits, without writing the bf16 rows and reading them back).
 - the same in cuBLASLt (`block_scaled_gemm`): its pipelined block-scaled kernel reaches the compute bound at many
-  rows, where the Triton kernel, scaling each K tile before the next dot, does not.
+  rows, where the Triton kernel, scaling each K tile before the next dot, does not; at a few rows its 128-wide
+  tiles leave SMs idle and the Triton kernel (K split, PDL) is faster (the tuning file's threshold says from where).
 
 Few rows give too few output tiles to fill the GPU, so K is split (`split_k.py`). The residual add rounds like the
 reference. Measurements: docs/measurements/2026-11-27-ops-notes.md.
@@ -71,7 +72,11 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched while the kernel before it finishes (`pdl.py`): waits for its output first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -127,7 +132,7 @@ def fp8_gemm(
         x, weight, scale, partial, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), k_per_split, res,
         SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         IEEE=x.dtype == torch.float32, HAS_RESIDUAL=residual is not None and plan.split_k == 1,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     if plan.split_k > 1:
         sum_splits(partial, out, None, res if residual is not None else None)
@@ -347,7 +352,11 @@ def _w8a8_kernel(
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     REREAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # as `_fp8_gemm_kernel`
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_n = tl.program_id(0) // m_tiles  # the row tiles of one weight tile run side by side: it leaves L2 once
     pid_m = tl.program_id(0) % m_tiles
@@ -416,7 +425,7 @@ def w8a8_matmul(
         q, q_scale, weight, scale, res, partial, m, n, k, weight.stride(0), scale.stride(0), k_per_split,
         HAS_RESIDUAL=residual is not None, SPLIT=splits > 1, SCALE_N=block[0], BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, BLOCK_K=block[1], SWAP_AB=plan.swap_ab, REREAD=m_tiles > 1,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(q.device),
     )  # fmt: skip
     if splits > 1:
         sum_splits(partial, out, None, res if residual is not None else None)

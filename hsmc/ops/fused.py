@@ -110,57 +110,54 @@ def _qkv_rope_store_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """HEADS heads of one token, all q or all k (with their v): the token's rotation is computed once for them."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    q_programs: tl.constexpr = (NUM_HEADS + HEADS - 1) // HEADS
+    is_q = tl.program_id(1) < q_programs
+    first = tl.where(is_q, tl.program_id(1) * HEADS, (tl.program_id(1) - q_programs) * HEADS)
+    heads = first + tl.arange(0, HEADS)
     half: tl.constexpr = HEAD_DIM // 2
     width: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     dtype = q_out_ptr.dtype.element_ty
     i = tl.arange(0, HALF_BLOCK)
-    valid = i < half
-    base = qkv_ptr + token * width + head * HEAD_DIM
-    x1 = tl.load(base + i, mask=valid, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + i, mask=valid, other=0.0).to(tl.float32)
+    valid = (heads < tl.where(is_q, NUM_HEADS, NUM_KV_HEADS))[:, None] & (i < half)[None, :]
+    cols = tl.where(is_q, heads, NUM_HEADS + heads)[:, None] * HEAD_DIM + i[None, :]
+    base = qkv_ptr + token * width
+    x1 = tl.load(base + cols, mask=valid, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_QK_NORM:
-        is_q = head < NUM_HEADS
-        variance = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM
-        inv = tl.rsqrt(variance + eps)
-        w1 = tl.where(
-            is_q, tl.load(q_norm_ptr + i, mask=valid, other=0.0), tl.load(k_norm_ptr + i, mask=valid, other=0.0)
-        )
-        w2 = tl.where(
-            is_q,
-            tl.load(q_norm_ptr + half + i, mask=valid, other=0.0),
-            tl.load(k_norm_ptr + half + i, mask=valid, other=0.0),
-        )
-        w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
+        variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM
+        inv = tl.rsqrt(variance + eps)[:, None]
+        norm_ptr = tl.where(is_q, q_norm_ptr, k_norm_ptr)
+        w1 = tl.load(norm_ptr + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_ptr + half + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
         x1 = round_to(round_to(x1 * inv, dtype) * w1, dtype)
         x2 = round_to(round_to(x2 * inv, dtype) * w2, dtype)
     position = tl.load(positions_ptr + token).to(tl.float32)
-    angle = position * tl.load(inv_freq_ptr + i, mask=valid, other=0.0)
-    cos = round_to(tl.cos(angle) * rope_scale, dtype)
-    sin = round_to(tl.sin(angle) * rope_scale, dtype)
-    y1 = round_to(round_to(x1 * cos, dtype) + round_to(-x2 * sin, dtype), dtype)
-    y2 = round_to(round_to(x2 * cos, dtype) + round_to(x1 * sin, dtype), dtype)
-    if head < NUM_HEADS:
-        out = q_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
-        tl.store(out + i, y1.to(dtype), mask=valid)
-        tl.store(out + half + i, y2.to(dtype), mask=valid)
+    angle = position * tl.load(inv_freq_ptr + i, mask=i < half, other=0.0)
+    cos = round_to(tl.cos(angle) * rope_scale, dtype)[None, :]
+    sin = round_to(tl.sin(angle) * rope_scale, dtype)[None, :]
+    y1 = round_to(round_to(x1 * cos, dtype) + round_to(-x2 * sin, dtype), dtype).to(dtype)
+    y2 = round_to(round_to(x2 * cos, dtype) + round_to(x1 * sin, dtype), dtype).to(dtype)
+    if is_q:
+        out = q_out_ptr + token * NUM_HEADS * HEAD_DIM + heads[:, None] * HEAD_DIM + i[None, :]
+        tl.store(out, y1, mask=valid)
+        tl.store(out + half, y2, mask=valid)
     else:
-        kv_head = head - NUM_HEADS
         slot = tl.load(slots_ptr + token)
-        k_out = k_cache_ptr + slot * stride_kslot + kv_head * stride_khead
-        tl.store(k_out + i, y1.to(dtype), mask=valid)
-        tl.store(k_out + half + i, y2.to(dtype), mask=valid)
-        v_base = qkv_ptr + token * width + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-        v_out = v_cache_ptr + slot * stride_kslot + kv_head * stride_khead
-        tl.store(v_out + i, tl.load(v_base + i, mask=valid, other=0.0), mask=valid)
-        tl.store(v_out + half + i, tl.load(v_base + half + i, mask=valid, other=0.0), mask=valid)
+        at = slot * stride_kslot + heads[:, None] * stride_khead + i[None, :]
+        tl.store(k_cache_ptr + at, y1, mask=valid)
+        tl.store(k_cache_ptr + at + half, y2, mask=valid)
+        v_cols = cols + NUM_KV_HEADS * HEAD_DIM
+        tl.store(v_cache_ptr + at, tl.load(base + v_cols, mask=valid, other=0.0), mask=valid)
+        tl.store(v_cache_ptr + at + half, tl.load(base + half + v_cols, mask=valid, other=0.0), mask=valid)
 
 
 def qkv_rope_store(
@@ -175,16 +172,30 @@ def qkv_rope_store(
     write_slots: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    heads_per_program: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Per-head RMSNorm of q/k (when given), RoPE, k/v stored at `write_slots`; returns q [R, T, H, D]."""
+    """Per-head RMSNorm of q/k (when given), RoPE, k/v stored at `write_slots`; returns q [R, T, H, D].
+    `heads_per_program`: (heads, warps) of a program, `qkv_rope_plan`'s by default."""
     r, t, _ = qkv.shape
     q = torch.empty(r, t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     q_w, k_w, eps = qk_norm if qk_norm is not None else (inv_freq, inv_freq, 0.0)
-    _qkv_rope_store_kernel[(r * t, num_heads + num_kv_heads)](
+    heads, warps = heads_per_program if heads_per_program is not None else qkv_rope_plan(r * t)
+    grid = (r * t, triton.cdiv(num_heads, heads) + triton.cdiv(num_kv_heads, heads))
+    _qkv_rope_store_kernel[grid](
         qkv.contiguous(), positions.contiguous(), write_slots.contiguous(), inv_freq, q_w, k_w, q, keys, values,
         keys.stride(0), keys.stride(1), rope_scale, eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HAS_QK_NORM=qk_norm is not None, num_warps=1,
-        **pdl_launch(qkv.device),
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), HEADS=heads, HAS_QK_NORM=qk_norm is not None,
+        num_warps=warps, **pdl_launch(qkv.device),
     )  # fmt: skip
     return q
+
+
+def qkv_rope_plan(tokens: int) -> tuple[int, int]:
+    """(heads, warps) of a program. Its cost is mostly fixed (a token's position, rotation and norm weights), so
+    many tokens want few programs of many heads; a few tokens want one head a program, spread over the SMs. On an
+    H200, 1,152 tokens of the 32B's 80 q/k heads took 100 us at one head a program, 15 at 8 heads over 2 warps, 11
+    at the copy bandwidth (docs/measurements/2026-12-01-h200-fp8-routes-and-qkv-rope.txt)."""
+    if tokens <= 16:
+        return 1, 1
+    return (4, 2) if tokens <= 128 else (8, 2)

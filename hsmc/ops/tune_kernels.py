@@ -3,11 +3,13 @@ write that file. Each candidate runs as the backend runs it (`triton_backend.run
 Qwen3-8B / 32B Linear shapes at the row counts the engine runs; a choice other than the default is recorded where
 it took at most `FASTER` of the default's time (the median of `triton.testing.do_bench`, L2 flushed per call).
 
-The one-row and few-row plans are timed as a forward runs those kernels: a chain of copies of the Linear, more
-weight bytes than the L2 cache holds, replayed from a CUDA graph, where each kernel loads its first weights while
-the one before it finishes (PDL). A lone call cannot show that overlap: on an H200, timed alone, the 8-row plan
-picked for the 8B's TP = 2 gate_up ran its chain 1.28x slower than another plan
-(docs/measurements/2026-11-30-h200x2-chained-plan-tuning.txt)."""
+The one-row and few-row plans and the FP8-activation GEMMs' libraries are timed as a forward runs those kernels: a
+chain of copies of the Linear, more weight bytes than the L2 cache holds, replayed from a CUDA graph, where each
+kernel loads its first weights while the one before it finishes (PDL). A lone call cannot show that overlap: on an
+H200, timed alone, the 8-row plan picked for the 8B's TP = 2 gate_up ran its chain 1.28x slower than another plan
+(docs/measurements/2026-11-30-h200x2-chained-plan-tuning.txt), and cuBLASLt's block-scaled GEMM, picked from 2
+rows, ran the FP8 8B's 8-row Linears 1.18-1.43x slower than the Triton GEMM
+(docs/measurements/2026-12-01-h200-fp8-routes-and-qkv-rope.txt)."""
 
 from __future__ import annotations
 
@@ -192,13 +194,18 @@ def _inputs(rows: int, linear: nn.Module, norm: bool, silu: bool = False) -> dic
     return {"x": x, "residual": torch.randn(rows, n, device=x.device, dtype=x.dtype), "silu_mul": silu}
 
 
-def _chain(linear: nn.Linear) -> list[nn.Linear]:
-    """`linear` and random copies of its shape: weights of at least twice the L2 cache's bytes, so that a chain of
-    them reads every weight from memory, as a forward's Linears do."""
+def _chain(linear: nn.Module) -> list[nn.Module]:
+    """`linear` and random copies of its shape and kind (dense or FP8): weights of at least twice the L2 cache's
+    bytes, so that a chain of them reads every weight from memory, as a forward's Linears do."""
     n, k = linear.weight.shape
     l2 = torch.cuda.get_device_properties(linear.weight.device).L2_cache_size
     copies = min(MAX_CHAIN, max(2, math.ceil(2 * l2 / linear.weight.nbytes)))
-    return [linear, *(_dense(n, k, linear.weight.device) for _ in range(copies - 1))]
+
+    def copy() -> nn.Module:
+        dense = _dense(n, k, linear.weight.device)
+        return _fp8(dense) if isinstance(linear, Fp8Linear) else dense
+
+    return [linear, *(copy() for _ in range(copies - 1))]
 
 
 def _chain_ms(bench: _Bench, route: Route, chain: list[nn.Linear], inputs: dict) -> float:
@@ -330,14 +337,15 @@ def _block_scaled_rows(
     multiple = _scaled_mm_row_multiple(device)
     if multiple is None:
         return None
+    chains = {name: _chain(linear) for name, linear in fp8.items()}
     wins = []
     for rows in FP8_ACT_ROWS:
         cublaslt = padded_route(Kernel.FP8_ACT_CUBLASLT, rows, multiple)
         triton_ms = cublaslt_ms = 0.0
         for name, linear in fp8.items():
             inputs = _inputs(rows, linear, linears[name][2])
-            triton_ms += _time(bench, Route(Kernel.FP8_ACT_TRITON, rows), linear, inputs)
-            cublaslt_ms += _time(bench, cublaslt, linear, inputs)
+            triton_ms += _chain_ms(bench, Route(Kernel.FP8_ACT_TRITON, rows), chains[name], inputs)
+            cublaslt_ms += _chain_ms(bench, cublaslt, chains[name], inputs)
         wins.append(cublaslt_ms <= FASTER * triton_ms)
     first = next((i for i in range(len(wins)) if all(wins[i:])), None)
     return BlockScaledRows(FP8_ACT_ROWS[first], multiple) if first is not None else None
@@ -355,6 +363,7 @@ def _flashinfer_gemms(
     faster = set()
     for name, linear in fp8.items():
         n, k, norm = linears[name]
+        chain = _chain(linear)
         for rows in FP8_ACT_ROWS:
             if rows < block_scaled.min_rows:  # counted in the bar's total: two timings each
                 bench.bar.update(2)
@@ -362,8 +371,8 @@ def _flashinfer_gemms(
             inputs = _inputs(rows, linear, norm)
             cublaslt = padded_route(Kernel.FP8_ACT_CUBLASLT, rows, block_scaled.row_multiple)
             flashinfer = padded_route(Kernel.FP8_ACT_FLASHINFER, rows, flashinfer_gemm.ROW_MULTIPLE)
-            cublaslt_ms = _time(bench, cublaslt, linear, inputs)
-            if _time(bench, flashinfer, linear, inputs) <= FASTER * cublaslt_ms:
+            cublaslt_ms = _chain_ms(bench, cublaslt, chain, inputs)
+            if _chain_ms(bench, flashinfer, chain, inputs) <= FASTER * cublaslt_ms:
                 faster.add((n, k, rows))
     return LibraryGemms(version, frozenset(faster))
 
