@@ -8,7 +8,7 @@ chain of copies of the Linear, more weight bytes than the L2 cache holds, replay
 kernel loads its first weights while the one before it finishes (PDL). A lone call cannot show that overlap: on an
 H200, timed alone, the 8-row plan picked for the 8B's TP = 2 gate_up ran its chain 1.28x slower than another plan
 (docs/measurements/2026-11-30-h200x2-chained-plan-tuning.txt), and cuBLASLt's block-scaled GEMM, picked from 2
-rows, ran the FP8 8B's 8-row Linears 1.18-1.43x slower than the Triton GEMM
+rows, ran the FP8 8B's 8-row Linears 1.18-1.37x slower than the Triton GEMM
 (docs/measurements/2026-12-01-h200-fp8-routes-and-qkv-rope.txt)."""
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def _chain(linear: nn.Module) -> list[nn.Module]:
     return [linear, *(copy() for _ in range(copies - 1))]
 
 
-def _chain_ms(bench: _Bench, route: Route, chain: list[nn.Linear], inputs: dict) -> float:
+def _chain_ms(bench: _Bench, route: Route, chain: list[nn.Module], inputs: dict) -> float:
     """Milliseconds per call of `route`, each Linear of `chain` called in turn from one CUDA graph; infinite for a
     plan this GPU cannot run."""
 
