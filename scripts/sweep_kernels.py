@@ -12,8 +12,8 @@ w8a8            tile settings of the FP8-activation GEMM at verify sizes, 32B Li
 fp8-routes      per Linear kind of the FP8 8B and 32B at proposal and verify rows, all layers chained: cuBLASLt's
                 block-scaled GEMM against the Triton FP8-activation GEMM's tiles and K splits (`fp8_gemm.plan_w8a8`).
 qkv-rope        the q/k norm + RoPE + KV write at 1..1152 tokens: heads per program x warps (`fused.qkv_rope_plan`).
-quantizers      the FP8 prologues at 8..1152 rows: the quantizing norm over warps (bit-equality checked at each), the
-                quantizing SiLU·mul over groups a program x warps.
+quantizers      the quantizing norm (FP8 activations' prologue) at 8..1152 rows over warps, bit-equality checked at
+                each (`fused.rms_norm_warps`).
 attention       decode (1 query token per row) and verify (9) attention: the planner's plan against every query
                 tile x split x key block x warps setting (`paged_attention.plan_attention`).
 shared-prefix   16 requests of 8 SMC particles reading their prompt once: the shared-prefix pass's splits x key
@@ -300,15 +300,14 @@ def qkv_rope(report: Report) -> None:
 
 
 def quantizers(report: Report) -> None:
-    """The FP8 prologues at proposal and verify rows: the quantizing norm (and `fused.rms_norm`, whose sum order it
-    shares) over warps, each setting's codes checked bit for bit against quantize_groups(rms_norm(x)) at the same
-    warps; the quantizing SiLU·mul over groups a program x warps (elementwise: any setting gives the same bits)."""
+    """The quantizing norm at proposal and verify rows (and `fused.rms_norm`, whose sum order it shares) over warps,
+    each setting's codes checked bit for bit against quantize_groups(rms_norm(x)) at the same warps."""
+    from unittest.mock import patch
+
     from hsmc.ops import fp8_gemm
-    from hsmc.ops.fp8_gemm import quantize_groups, rms_norm_quantize, silu_mul_quantize
-    from hsmc.ops.pdl import pdl_launch
+    from hsmc.ops.fp8_gemm import quantize_groups, rms_norm_quantize
 
-    report.say("== FP8 prologues: the quantizing norm over warps, the quantizing SiLU·mul over groups x warps ==")
-
+    report.say("== the quantizing norm over warps ==")
     default_warps = fused.rms_norm_warps
     for k in (4096, 5120):
         w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
@@ -317,15 +316,13 @@ def quantizers(report: Report) -> None:
             moved = rows * k * 3  # bf16 read, e4m3 written
             timed, exact, bf16 = {}, {}, {}
             for warps in (2, 4, 8, 16):
-                fused.rms_norm_warps = fp8_gemm.rms_norm_warps = lambda block, warps=warps: warps
-                q, s = rms_norm_quantize(x, w, 1e-6, 128)
-                want_q, want_s = quantize_groups(fused.rms_norm(x, w, 1e-6), 128)
-                exact[warps] = bool(
-                    torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
-                )
-                timed[warps] = graph_ms(lambda: [rms_norm_quantize(x, w, 1e-6, 128) for _ in range(20)]) / 20 * 1e3
-                bf16[warps] = graph_ms(lambda: [fused.rms_norm(x, w, 1e-6) for _ in range(20)]) / 20 * 1e3
-            fused.rms_norm_warps = fp8_gemm.rms_norm_warps = default_warps
+                forced = lambda block, warps=warps: warps  # noqa: E731
+                with patch.object(fused, "rms_norm_warps", forced), patch.object(fp8_gemm, "rms_norm_warps", forced):
+                    q, s = rms_norm_quantize(x, w, 1e-6, 128)
+                    want_q, want_s = quantize_groups(fused.rms_norm(x, w, 1e-6), 128)
+                    exact[warps] = torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+                    timed[warps] = graph_ms(lambda: [rms_norm_quantize(x, w, 1e-6, 128) for _ in range(20)]) / 20 * 1e3
+                    bf16[warps] = graph_ms(lambda: [fused.rms_norm(x, w, 1e-6) for _ in range(20)]) / 20 * 1e3
             planned = default_warps(triton.next_power_of_2(k))
             best = min(timed, key=timed.get)
             report.say(f"  rms_norm_quantize K={k} rows={rows}: {planned} warps {timed[planned]:.1f} us, best {best} "
@@ -334,27 +331,6 @@ def quantizers(report: Report) -> None:
                        + ", ".join(f"{w_}w {t:.1f}" for w_, t in bf16.items()),
                        kernel="rms_norm_quantize", k=k, rows=rows, timings_us=timed, exact=exact,
                        rms_norm_us=bf16)  # fmt: skip
-    for inner in (12288, 25600):
-        for rows in (8, 128, 1152):
-            x = torch.randn(rows, 2 * inner, device="cuda", dtype=torch.bfloat16)
-            moved = rows * inner * 5  # bf16 [gate | up] read, e4m3 written
-            q, scale = silu_mul_quantize(x, 128)
-
-            def launch(groups: int, warps: int, x=x, q=q, scale=scale, inner=inner) -> None:
-                fp8_gemm._silu_mul_quantize_kernel[(x.shape[0], triton.cdiv(inner, 128 * groups))](
-                    x, q, scale, inner, scale.stride(0), scale.stride(1), GROUP=128, GROUPS=groups, num_warps=warps,
-                    **pdl_launch(x.device),
-                )  # fmt: skip
-
-            timed = {}
-            for groups in (2, 4, 8, 16):
-                for warps in (2, 4, 8):
-                    timed[groups, warps] = graph_ms(lambda g=groups, w=warps: [launch(g, w) for _ in range(20)]) / 20
-            best = min(timed, key=timed.get)
-            report.say(f"  silu_mul_quantize inner={inner} rows={rows}: (8, 4) {timed[8, 4] * 1e3:.1f} us, best {best} "
-                       f"{timed[best] * 1e3:.1f} us ({report.read_ms(moved) * 1e3:.1f} us at the copy bandwidth)",
-                       kernel="silu_mul_quantize", inner=inner, rows=rows,
-                       timings_us=[(str(p), t * 1e3) for p, t in timed.items()])  # fmt: skip
 
 
 def attention(report: Report) -> None:
