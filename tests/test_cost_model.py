@@ -105,7 +105,7 @@ def test_bench_config_on_the_cpu(tmp_path, capsys):
         f"  - {{kind: rejection, model: {draft}, temperature: 1.0, num_draft_tokens: 2}}\n"
         f"  - {{kind: smc, model: {target}, temperature: 1.0, particles: 2, block_size: 3}}\n"
     )
-    args = ["bench", "--config", str(config), "--batch", "1,3", "--prompt-tokens", "4", "--new-tokens", "9"]
+    args = ["bench", "--config", str(config), "--batch", "1,3", "--prompt-tokens", "4", "--new-tokens", "48"]
     assert main([*args, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["batch"] for r in rows] == [1, 3] and all(r["name"] == "stack" for r in rows)
