@@ -48,6 +48,7 @@ SCHEMA_KEYS = {
     "versions",
     "measured",
     "one_row_plans",
+    "fp8_one_row_plans",
     "few_row_plans",
     "cublaslt_gemms",
     "padded_rows",
@@ -85,6 +86,7 @@ TUNED = KernelTuning(
     MEASURED_WITH,
     "test",
     one_row_plans={(10240, 5120): DecodeLinearPlan(4, 512, 8, 1, False)},
+    fp8_one_row_plans={(10240, 5120): DecodeLinearPlan(4, 1024, 2, 3, False)},
     few_row_plans={
         (6144, 4096, 16): FewRowPlan(32, 128, 1, 2, 6),
         (6144, 4096, 32): FewRowPlan(64, 128, 1, 4, 6),
@@ -135,7 +137,10 @@ def test_tuning_routes_fp8_linears():
     allows it (128x128 blocks, K/128 a multiple of 4, bf16); weight-only the Triton GEMM up to 256 rows."""
     router = LinearRouter(TUNED, CUDA)
     qkv = fp8(10240, 5120, dynamic=True)
-    assert route(router, 1, qkv) == Route(Kernel.ONE_ROW, 1)
+    tuned_one_row = Route(Kernel.ONE_ROW, 1, one_row_plan=DecodeLinearPlan(4, 1024, 2, 3, False))
+    assert route(router, 1, qkv) == route(router, 1, fp8(10240, 5120, dynamic=False)) == tuned_one_row
+    assert route(router, 1, fp8(6144, 4096, dynamic=True)) == Route(Kernel.ONE_ROW, 1)  # not in the file: default
+    assert route(router, 1, fp8(10240, 5120, True, (64, 128))) == Route(Kernel.ONE_ROW, 1)  # measured on 128x128
     assert route(router, 16, qkv) == Route(Kernel.FP8_ACT_TRITON, 16)
     assert route(router, 72, qkv) == Route(Kernel.FP8_ACT_TRITON, 72)
     assert route(router, 144, qkv) == Route(Kernel.FP8_ACT_CUBLASLT, 144)
@@ -210,6 +215,8 @@ def test_packaged_file_routes_as_its_entries_say(name, monkeypatch, flashinfer_i
     router = LinearRouter(tuning, CUDA)
     for (n, k), plan in tuning.one_row_plans.items():
         assert route(router, 1, dense(n, k)) == Route(Kernel.ONE_ROW, 1, one_row_plan=plan)
+    for (n, k), plan in tuning.fp8_one_row_plans.items():
+        assert route(router, 1, fp8(n, k, dynamic=True)) == Route(Kernel.ONE_ROW, 1, one_row_plan=plan)
     for (n, k, tile), plan in tuning.few_row_plans.items():
         assert route(router, tile, dense(n, k)) == Route(Kernel.FEW_ROWS, tile, few_row_plan=plan)
     for n, k, rows in tuning.cublaslt_gemms:
@@ -331,6 +338,29 @@ def test_the_sweep_records_a_one_row_plan_only_where_it_beats_the_default(monkey
     assert len(timed[4096]) == len(timed[3072]) == 1 + len(tune_kernels.ONE_ROW_CANDIDATES)
     assert {(i["norm"], i["silu"]) for _, i in timed[3072]} == {(False, True)}
     assert {(i["norm"], i["silu"]) for _, i in timed[4096]} == {(True, False)}
+
+    # FP8 weights: their own candidates (the prologue never fused), every one timed for o as well
+    timed.clear()
+    best[1536] = best[4096] = tune_kernels.FP8_ONE_ROW_CANDIDATES[7]
+    plans = tune_kernels._one_row_plans(None, linears, {name: fp8(n, k, False) for name, (n, k, _) in linears.items()})
+    assert plans == {(1536, 4096): best[1536], (4096, 1024): best[4096]}
+    for k in (4096, 1024, 3072):
+        assert [plan for plan, _ in timed[k]] == [None, *tune_kernels.FP8_ONE_ROW_CANDIDATES]
+    assert not any(plan.fuse_prologue for plan in tune_kernels.FP8_ONE_ROW_CANDIDATES)
+
+
+def test_no_fp8_section_times_an_lm_head():
+    """FP8 checkpoints keep their LM head in bf16: the head's shapes, sharded or not, are left out of the FP8 tables."""
+    from hsmc.ops import tune_kernels
+
+    names = list(qwen3_linears((1, 2, 4)))
+    heads = [name for name in names if tune_kernels._is_lm_head(name)]
+    assert heads == ["qwen3-8b lm_head", "qwen3-8b lm_head tp2", "qwen3-8b lm_head tp4", "qwen3-32b lm_head",
+                     "qwen3-32b lm_head tp2", "qwen3-32b lm_head tp4"]  # fmt: skip
+    head_shapes = {qwen3_linears((1, 2, 4))[name][:2] for name in heads}
+    for tuning in packaged_tunings():
+        fp8_tables = [*tuning.fp8_one_row_plans, *(tuning.fp8_flashinfer.gemms if tuning.fp8_flashinfer else ())]
+        assert not {entry[:2] for entry in fp8_tables} & head_shapes, tuning.source
 
 
 def test_the_sweep_times_few_row_plans_in_chains_and_records_one_only_where_it_wins(monkeypatch):

@@ -39,7 +39,7 @@ from hsmc.ops.paged_attention import (  # noqa: E402
     shares_prefix,
 )
 from hsmc.ops.triton_backend import TritonBackend  # noqa: E402
-from hsmc.ops.tune_kernels import ONE_ROW_CANDIDATES  # noqa: E402
+from hsmc.ops.tune_kernels import FP8_ONE_ROW_CANDIDATES, ONE_ROW_CANDIDATES  # noqa: E402
 from hsmc.training.ttt import ttt_attention_batch  # noqa: E402
 
 INTERPRETED = not torch.cuda.is_available()
@@ -356,6 +356,24 @@ def test_one_row_plans_the_sweep_may_record_are_exact(plan):
     for kwargs, ref in cases:
         out = decode_linear(weight=w, plan=plan, **kwargs)
         assert ((out.double() - ref).norm() / ref.norm()).item() < _linear_tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("plan", FP8_ONE_ROW_CANDIDATES, ids=str)
+def test_fp8_one_row_plans_the_sweep_may_record_are_exact(plan):
+    """Every plan `hsmc tune-kernels` may write for FP8 weights (128x128 scale blocks) gives the dequantized matmul's
+    result, norm-fed and as a down: N ragged against its rows and the scale blocks, K against its tile."""
+    torch.manual_seed(plan.block_n * plan.block_k)
+    n, k = 128 + 2 * plan.block_n + 8, plan.block_k + 168
+    w, scale = quantize_fp8(torch.randn(n, k, device=DEVICE) / k**0.5, (128, 128))
+    real = dequantize_fp8(w, scale, (128, 128), torch.float32)
+    x, gate_up = torch.randn(1, k, device=DEVICE), torch.randn(1, 2 * k, device=DEVICE)
+    norm, residual = (torch.rand(k, device=DEVICE) + 0.5, 1e-6), torch.randn(1, n, device=DEVICE)
+    cases = [({"x": x, "norm": norm}, decode_linear_reference(x, real, None, norm)),
+             ({"x": gate_up, "silu_mul": True, "residual": residual},
+              decode_linear_reference(gate_up, real, None, None, True, residual))]  # fmt: skip
+    for kwargs, ref in cases:
+        out = decode_linear(weight=w, scale=scale, scale_block=(128, 128), plan=plan, **kwargs)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
 
 @pytest.mark.parametrize("n,k,block_n,block_k", [(256, 384, 8, 128), (136, 300, 16, 256), (64, 520, 4, 512)])

@@ -19,7 +19,7 @@ import torch
 from hsmc.ops.decode_linear import DecodeLinearPlan
 from hsmc.ops.few_row_linear import FewRowPlan
 
-SCHEMA_VERSION = 3  # 2: one_row_plans; 3: fp8_flashinfer_version / fp8_flashinfer_gemms
+SCHEMA_VERSION = 4  # 2: one_row_plans; 3: fp8_flashinfer_version / fp8_flashinfer_gemms; 4: fp8_one_row_plans
 log = logging.getLogger(__name__)
 
 
@@ -61,6 +61,8 @@ class KernelTuning:
     measured: str  # when and how, for the reader
     # (N, K) -> one-row kernel plan of a dense weight, where one beat the default (`plan_decode_linear`)
     one_row_plans: dict[tuple[int, int], DecodeLinearPlan] = field(default_factory=dict)
+    # the same for FP8 weights in 128x128 scale blocks
+    fp8_one_row_plans: dict[tuple[int, int], DecodeLinearPlan] = field(default_factory=dict)
     # (N, K, row tile 16 or 32) -> few-row kernel plan; a 32-row plan exists only where it beat cuBLAS
     few_row_plans: dict[tuple[int, int, int], FewRowPlan] = field(default_factory=dict)
     cublaslt_gemms: frozenset[tuple[int, int, int]] = frozenset()  # (N, K, rows): dense GEMMs faster in cuBLASLt
@@ -77,6 +79,7 @@ class KernelTuning:
             "versions": asdict(self.versions),
             "measured": self.measured,
             "one_row_plans": [{"n": n, "k": k, **asdict(plan)} for (n, k), plan in self.one_row_plans.items()],
+            "fp8_one_row_plans": [{"n": n, "k": k, **asdict(plan)} for (n, k), plan in self.fp8_one_row_plans.items()],
             "few_row_plans": [
                 {"n": n, "k": k, "row_tile": tile, **asdict(plan)} for (n, k, tile), plan in self.few_row_plans.items()
             ],
@@ -110,12 +113,8 @@ class KernelTuning:
                 capability=(capability[0], capability[1]),
                 versions=Versions(**data["versions"]),
                 measured=str(data["measured"]),
-                one_row_plans={
-                    (e["n"], e["k"]): DecodeLinearPlan(
-                        e["block_n"], e["block_k"], e["num_warps"], e["num_stages"], e["fuse_prologue"]
-                    )
-                    for e in data["one_row_plans"]
-                },
+                one_row_plans=_read_one_row_plans(data["one_row_plans"]),
+                fp8_one_row_plans=_read_one_row_plans(data["fp8_one_row_plans"]),
                 few_row_plans={
                     (e["n"], e["k"], e["row_tile"]): FewRowPlan(
                         e["block_n"], e["block_k"], e["split_k"], e["num_warps"], e["num_stages"]
@@ -138,6 +137,15 @@ class KernelTuning:
         if any(run < m for (_, _, m), run in tuning.padded_rows.items()):
             raise ValueError(f"{source}: padded_rows run_rows must be >= rows")
         return tuning
+
+
+def _read_one_row_plans(entries: list[dict[str, Any]]) -> dict[tuple[int, int], DecodeLinearPlan]:
+    return {
+        (e["n"], e["k"]): DecodeLinearPlan(
+            e["block_n"], e["block_k"], e["num_warps"], e["num_stages"], e["fuse_prologue"]
+        )
+        for e in entries
+    }
 
 
 DEFAULTS = KernelTuning("any", (0, 0), Versions("any", None, None), "heuristic defaults")

@@ -23,7 +23,7 @@ from hsmc.ops import flashinfer_gemm
 from hsmc.ops.decode_linear import DecodeLinearPlan
 from hsmc.ops.few_row_linear import MAX_ROWS, FewRowPlan, default_few_row_plan
 from hsmc.ops.fp8_gemm import block_scaled_supported
-from hsmc.ops.fp8_linear import Fp8Linear
+from hsmc.ops.fp8_linear import QWEN_BLOCK, Fp8Linear
 from hsmc.ops.kernel_tuning import KernelTuning, tuning_for
 
 FEW_ROWS_WITHOUT_PLAN = 16  # the few-row kernel's default plan beats cuBLAS up to here (one 16-row tile)
@@ -50,7 +50,7 @@ class Route:
     run_rows: int
     cublaslt: bool = False  # BLAS: cuBLASLt instead of torch's preferred library
     few_row_plan: FewRowPlan | None = None
-    one_row_plan: DecodeLinearPlan | None = None  # ONE_ROW, dense weights: measured (None: `plan_decode_linear`)
+    one_row_plan: DecodeLinearPlan | None = None  # ONE_ROW: measured (None: `plan_decode_linear`)
 
 
 def padded_route(kernel: Kernel, rows: int, multiple: int) -> Route:
@@ -99,7 +99,9 @@ class LinearRouter:
 
     def _fp8(self, rows: int, n: int, k: int, block: tuple[int, int], dynamic: bool, dtype: torch.dtype) -> Route:
         if rows == 1 and block[0] % 8 == 0:  # the one-row kernel's weight tiles must fit a scale block
-            return Route(Kernel.ONE_ROW, 1)
+            plan = self.tuning.fp8_one_row_plans.get((n, k))
+            fits = plan is not None and block == QWEN_BLOCK  # measured with these blocks
+            return Route(Kernel.ONE_ROW, 1, one_row_plan=plan if fits else None)
         quantize = dynamic and rows > 1  # one row stays weight-only: bound by the weight read
         if not self.cuda:
             return Route(Kernel.FP8_ACT_REFERENCE if quantize else Kernel.FP8_DEQUANTIZED, rows)

@@ -83,6 +83,15 @@ ONE_ROW_CANDIDATES = [
     for warps in (4, 8)
     for fuse in (True, False)
 ]
+# FP8 weights: rows per program within a 128-row scale block, K tiles of whole scale blocks, the depth of Triton's
+# load pipeline; the prologue always runs as its own kernel (fused, it repeats per program: slower at every shape)
+FP8_ONE_ROW_CANDIDATES = [
+    DecodeLinearPlan(block_n, block_k, warps, stages, False)
+    for block_n in (4, 8, 16)
+    for block_k in (512, 1024, 2048)
+    for warps in (2, 4)
+    for stages in (2, 3, 4)
+]
 FEW_ROW_CANDIDATES = [
     FewRowPlan(block_n, block_k, 1, warps, stages)
     for block_n in (32, 64)
@@ -128,7 +137,7 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
     torch.manual_seed(0)
     dense = {name: _dense(n, k, device) for name, (n, k, _) in linears.items()}
     has_fp8 = torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
-    fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not name.endswith("lm_head")}
+    fp8 = {name: _fp8(lin) for name, lin in dense.items() if has_fp8 and not _is_lm_head(name)}
     shapes = len(linears)
     flashinfer = [  # FP8 shapes whose GEMM flashinfer can run (none without flashinfer)
         name
@@ -136,7 +145,8 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
         if name in fp8 and flashinfer_gemm.installed_version() and flashinfer_gemm.supported(n, k, device)
     ]
     bench = _Bench(
-        sum(len(_one_row_candidates(name, norm)) + 1 for name, (*_, norm) in linears.items())
+        sum(len(_one_row_candidates(name, norm, False)) + 1 for name, (*_, norm) in linears.items())
+        + len(fp8) * (len(FP8_ONE_ROW_CANDIDATES) + 1)
         + shapes * len(FEW_ROW_TILES) * (len(FEW_ROW_CANDIDATES) + 1)
         + shapes
         + shapes * len(GEMM_ROWS) * 2
@@ -146,6 +156,7 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
     )
     with torch.no_grad():
         one_row_plans = _one_row_plans(bench, linears, dense)
+        fp8_one_row_plans = _one_row_plans(bench, linears, fp8)
         few_row_plans = _few_row_plans(bench, linears, dense, device)
         cublaslt = _cublaslt_gemms(bench, linears, dense)
         padded = _padded_rows(bench, linears, dense, cublaslt)
@@ -159,16 +170,22 @@ def tune_kernels(tensor_parallel: Sequence[int] = (1,)) -> tuple[KernelTuning, s
         torch.cuda.get_device_capability(index),
         current_versions(),
         f"{date.today()}: hsmc tune-kernels --tensor-parallel {','.join(map(str, tensor_parallel))}",
-        one_row_plans,
-        few_row_plans,
-        frozenset(cublaslt),
-        padded,
-        weight_only_max,
-        block_scaled,
-        on_flashinfer,
+        one_row_plans=one_row_plans,
+        fp8_one_row_plans=fp8_one_row_plans,
+        few_row_plans=few_row_plans,
+        cublaslt_gemms=frozenset(cublaslt),
+        padded_rows=padded,
+        fp8_weight_only_max_rows=weight_only_max,
+        fp8_block_scaled=block_scaled,
+        fp8_flashinfer=on_flashinfer,
     )
     labels = {(n, k): name for name, (n, k, _) in linears.items()}
     return tuning, format_tuning(tuning, labels)
+
+
+def _is_lm_head(name: str) -> bool:
+    """An LM head, sharded ("qwen3-8b lm_head tp2") or not: bf16 in the FP8 checkpoints, so no FP8 section times it."""
+    return "lm_head" in name.split()
 
 
 def _dense(n: int, k: int, device: torch.device) -> nn.Linear:
@@ -239,15 +256,17 @@ def _time(bench: _Bench, route: Route, linear: nn.Module, inputs: dict) -> float
         return math.inf
 
 
-def _one_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear]) -> dict:
-    """Per shape, the fastest one-row plan where it beats the default (`plan_decode_linear`'s)."""
+def _one_row_plans(bench: _Bench, linears: Linears, modules: dict[str, nn.Module]) -> dict:
+    """Per shape of `modules` (dense or FP8), the fastest one-row plan where it beats the default
+    (`plan_decode_linear`'s)."""
     plans = {}
-    for name, (n, k, norm) in linears.items():
-        inputs = _inputs(1, dense[name], norm, silu=SILU_FED in name)
-        chain = _chain(dense[name])
+    for name, module in modules.items():
+        n, k, norm = linears[name]
+        inputs = _inputs(1, module, norm, silu=SILU_FED in name)
+        chain = _chain(module)
         timed = {
             plan: _chain_ms(bench, Route(Kernel.ONE_ROW, 1, one_row_plan=plan), chain, inputs)
-            for plan in (None, *_one_row_candidates(name, norm))
+            for plan in (None, *_one_row_candidates(name, norm, isinstance(module, Fp8Linear)))
         }
         best = min(timed, key=timed.get)
         if best is not None and timed[best] <= FASTER * timed[None]:
@@ -255,8 +274,10 @@ def _one_row_plans(bench: _Bench, linears: Linears, dense: dict[str, nn.Linear])
     return plans
 
 
-def _one_row_candidates(name: str, norm: bool) -> list[DecodeLinearPlan]:
+def _one_row_candidates(name: str, norm: bool, fp8: bool) -> list[DecodeLinearPlan]:
     """A Linear without a prologue (o) runs the same kernel whether or not the plan fuses one: time it once."""
+    if fp8:
+        return FP8_ONE_ROW_CANDIDATES
     return [p for p in ONE_ROW_CANDIDATES if p.fuse_prologue or norm or SILU_FED in name]
 
 

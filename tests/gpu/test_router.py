@@ -119,6 +119,11 @@ def test_this_gpu_routes_with_its_packaged_tuning_file():
     for (n, k), plan in tuning.one_row_plans.items():
         route = router.plan(torch.Size((1, k)), nn.Linear(k, n, device="meta"), torch.bfloat16)
         assert route.kernel is Kernel.ONE_ROW and route.one_row_plan == plan
+    for (n, k), plan in tuning.fp8_one_row_plans.items():
+        with torch.device("meta"):
+            fp8 = Fp8Linear(k, n, False, QWEN_BLOCK)
+        route = router.plan(torch.Size((1, k)), fp8, torch.bfloat16)
+        assert route.kernel is Kernel.ONE_ROW and route.one_row_plan == plan
     for (n, k, tile), plan in tuning.few_row_plans.items():
         route = router.plan(torch.Size((8 if tile == 16 else 24, k)), nn.Linear(k, n, device="meta"), torch.bfloat16)
         assert route.kernel is Kernel.FEW_ROWS and route.few_row_plan == plan
