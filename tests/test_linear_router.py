@@ -288,6 +288,10 @@ def test_packaged_files_parse_match_the_schema_and_round_trip(tmp_path):
     (tmp_path / "unversioned.json").write_text(json.dumps(unversioned))
     with pytest.raises(ValueError, match="unversioned.json: fp8_flashinfer_gemms need fp8_flashinfer_version"):
         read_tuning(tmp_path / "unversioned.json")
+    older = {**json.loads(files[0].read_text()), "schema_version": 3}  # before fp8_one_row_plans
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    with pytest.raises(ValueError, match=r"older.json: schema_version 3, this hsmc reads 4 \(`hsmc tune-kernels`"):
+        read_tuning(tmp_path / "older.json")
 
 
 def test_the_tuned_shapes_of_a_tensor_parallel_size_are_those_its_ranks_run():

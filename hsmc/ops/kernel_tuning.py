@@ -99,7 +99,10 @@ class KernelTuning:
         """The tuning a file holds; ValueError naming the file and the key for anything off-schema."""
         try:
             if data["schema_version"] != SCHEMA_VERSION:
-                raise ValueError(f"schema_version {data['schema_version']!r}, this hsmc reads {SCHEMA_VERSION}")
+                raise ValueError(
+                    f"schema_version {data['schema_version']!r}, this hsmc reads {SCHEMA_VERSION} "
+                    "(`hsmc tune-kernels` on that GPU writes it anew)"
+                )
             capability = tuple(data["device"]["capability"])
             if len(capability) != 2 or not all(isinstance(c, int) for c in capability):
                 raise ValueError(f"device.capability {capability!r} is not [major, minor]")
