@@ -348,14 +348,20 @@ def test_one_row_plans_the_sweep_may_record_are_exact(plan):
     torch.manual_seed(plan.block_n)
     n, k = 2 * plan.block_n + 3, 2 * plan.block_k + 40
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.float32)
-    x, gate_up = torch.randn(1, k, device=DEVICE), torch.randn(1, 2 * k, device=DEVICE)
-    norm, residual = (torch.rand(k, device=DEVICE) + 0.5, 1e-6), torch.randn(1, n, device=DEVICE)
-    cases = [({"x": x, "norm": norm}, decode_linear_reference(x, w, None, norm)),
-             ({"x": gate_up, "silu_mul": True, "residual": residual},
-              decode_linear_reference(gate_up, w, None, None, True, residual))]  # fmt: skip
-    for kwargs, ref in cases:
+    for kwargs, ref in _norm_fed_and_down_cases(w):
         out = decode_linear(weight=w, plan=plan, **kwargs)
         assert ((out.double() - ref).norm() / ref.norm()).item() < _linear_tolerance(torch.float32)
+
+
+def _norm_fed_and_down_cases(real: torch.Tensor) -> list[tuple[dict, torch.Tensor]]:
+    """One row through a weight whose real value is `real` [N, K]: (decode_linear's keywords, the reference) as a
+    norm-fed Linear and as a down (SiLU·mul of [gate | up] before it, a residual after)."""
+    n, k = real.shape
+    x, gate_up = torch.randn(1, k, device=DEVICE), torch.randn(1, 2 * k, device=DEVICE)
+    norm, residual = (torch.rand(k, device=DEVICE) + 0.5, 1e-6), torch.randn(1, n, device=DEVICE)
+    return [({"x": x, "norm": norm}, decode_linear_reference(x, real, None, norm)),
+            ({"x": gate_up, "silu_mul": True, "residual": residual},
+             decode_linear_reference(gate_up, real, None, None, True, residual))]  # fmt: skip
 
 
 @pytest.mark.parametrize("plan", FP8_ONE_ROW_CANDIDATES, ids=str)
@@ -366,12 +372,7 @@ def test_fp8_one_row_plans_the_sweep_may_record_are_exact(plan):
     n, k = 128 + 2 * plan.block_n + 8, plan.block_k + 168
     w, scale = quantize_fp8(torch.randn(n, k, device=DEVICE) / k**0.5, (128, 128))
     real = dequantize_fp8(w, scale, (128, 128), torch.float32)
-    x, gate_up = torch.randn(1, k, device=DEVICE), torch.randn(1, 2 * k, device=DEVICE)
-    norm, residual = (torch.rand(k, device=DEVICE) + 0.5, 1e-6), torch.randn(1, n, device=DEVICE)
-    cases = [({"x": x, "norm": norm}, decode_linear_reference(x, real, None, norm)),
-             ({"x": gate_up, "silu_mul": True, "residual": residual},
-              decode_linear_reference(gate_up, real, None, None, True, residual))]  # fmt: skip
-    for kwargs, ref in cases:
+    for kwargs, ref in _norm_fed_and_down_cases(real):
         out = decode_linear(weight=w, scale=scale, scale_block=(128, 128), plan=plan, **kwargs)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
