@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and timings in one call, every output under $OUT (default: ./gpu-session-out):
 #
-#   bash scripts/gpu_session.sh tests            # the GPU suite (python -m pytest -m gpu tests/gpu): 593 s on an H200
+#   bash scripts/gpu_session.sh tests            # the GPU suite (python -m pytest -m gpu tests/gpu): 531-683 s on H200s
 #   bash scripts/gpu_session.sh tests-stacks     # the suite in two parts of roughly half its time each, for calls
 #   bash scripts/gpu_session.sh tests-ops        #   limited to 10 minutes: the models and stacks; all the other files
 #   bash scripts/gpu_session.sh fp8              # FP8 SMC-SD at 1 and 16 requests, and 16 requests over

@@ -6,9 +6,10 @@ At one row a Linear reads its weight once and does almost no arithmetic, so a st
 bandwidth plus whatever leaves the memory idle: launch gaps, ramp-ups and tails, the small kernels between the
 matmuls. Fusing removes the small kernels; PDL hides the gaps (a kernel loads its first weight tile, which nothing
 in a forward writes, before it waits for the previous one). Dense weights accumulate elementwise, the next tile
-loading into registers; FP8 weights move twice the elements per byte, so their kernel is short of instructions and
-Triton pipelines their tiles instead. Rounding follows `TorchBackend`. Measurements:
-docs/measurements/2026-11-27-ops-notes.md.
+loading into registers; FP8 weights sum each scale block, then scale it, and Triton pipelines their tiles (e4m3
+bytes carried in registers are unpacked and repacked every tile; the dense structure over block-scaled inputs,
+fewer instructions, measured no faster). Rounding follows `TorchBackend`. Measurements:
+docs/measurements/2026-11-27-ops-notes.md, docs/measurements/2026-12-01-h200-fp8-one-row-folded-and-l2-prefetch.txt.
 """
 
 from __future__ import annotations
