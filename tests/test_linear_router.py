@@ -357,11 +357,11 @@ def test_no_fp8_section_times_an_lm_head():
     """FP8 checkpoints keep their LM head in bf16: the head's shapes, sharded or not, are left out of the FP8 tables."""
     from hsmc.ops import tune_kernels
 
-    names = list(qwen3_linears((1, 2, 4)))
-    heads = [name for name in names if tune_kernels._is_lm_head(name)]
+    linears = qwen3_linears((1, 2, 4))
+    heads = [name for name in linears if tune_kernels._is_lm_head(name)]
     assert heads == ["qwen3-8b lm_head", "qwen3-8b lm_head tp2", "qwen3-8b lm_head tp4", "qwen3-32b lm_head",
                      "qwen3-32b lm_head tp2", "qwen3-32b lm_head tp4"]  # fmt: skip
-    head_shapes = {qwen3_linears((1, 2, 4))[name][:2] for name in heads}
+    head_shapes = {linears[name][:2] for name in heads}
     for tuning in packaged_tunings():
         fp8_tables = [*tuning.fp8_one_row_plans, *(tuning.fp8_flashinfer.gemms if tuning.fp8_flashinfer else ())]
         assert not {entry[:2] for entry in fp8_tables} & head_shapes, tuning.source

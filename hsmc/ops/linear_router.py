@@ -99,9 +99,8 @@ class LinearRouter:
 
     def _fp8(self, rows: int, n: int, k: int, block: tuple[int, int], dynamic: bool, dtype: torch.dtype) -> Route:
         if rows == 1 and block[0] % 8 == 0:  # the one-row kernel's weight tiles must fit a scale block
-            plan = self.tuning.fp8_one_row_plans.get((n, k))
-            fits = plan is not None and block == QWEN_BLOCK  # measured with these blocks
-            return Route(Kernel.ONE_ROW, 1, one_row_plan=plan if fits else None)
+            measured = self.tuning.fp8_one_row_plans if block == QWEN_BLOCK else {}  # timed with these blocks
+            return Route(Kernel.ONE_ROW, 1, one_row_plan=measured.get((n, k)))
         quantize = dynamic and rows > 1  # one row stays weight-only: bound by the weight read
         if not self.cuda:
             return Route(Kernel.FP8_ACT_REFERENCE if quantize else Kernel.FP8_DEQUANTIZED, rows)
