@@ -11,11 +11,16 @@ smc         SMC-SD 8B -> 32B (N=8, K=8) and the hierarchical stack (EAGLE3 head 
             Both do not fit one 80 GB GPU with the 32B whole, so both runs keep the 32B's first `--target-layers`
             layers.
 headline    the hierarchical stack with the whole 32B at TP=N, and each GPU's peak memory (nvidia-smi).
+rank-share  one GPU suffices: what one rank computes at TP=2 and 4, with communication free. Random models of a
+            rank's shard shapes (heads, KV heads, MLP and LM-head vocabulary divided by N; `<shape>-rank-of-N`)
+            run as TP=1 stacks beside the whole shapes: their ratio bounds what TP=N reaches with these kernels,
+            and the real TP=N run's distance from it is what the all-reduces and the logits' all-gather cost.
 host-profile where each rank's host time goes in a 0.6B decode at TP=1 and TP=N (host-bound: its step is the
             host's): py-spy samples every process of the run; per process, the functions holding the most samples
             inside the request loop, and the raw stacks gzipped under --out (py-spy on PATH, or beside python).
 
-    python scripts/bench_tensor_parallel.py [--parts all-reduce,control,decode,smc,headline,host-profile] [--out DIR]
+    python scripts/bench_tensor_parallel.py [--parts all-reduce,control,decode,smc,headline,host-profile,rank-share]
+                                            [--out DIR]
 
 Each `hsmc bench` case runs in its own process, so one case's memory is gone before the next loads.
 """
@@ -141,9 +146,10 @@ def control(report: Report) -> None:
                    part="control", tp=tp, tok_s=row["hsmc_tok_s"])  # fmt: skip
 
 
-def _hsmc_bench(args: list[str]) -> list[dict]:
-    """One `hsmc bench ... --json` in its own process: its rows."""
-    cmd = [sys.executable, "-c", "import sys; from hsmc.cli import main; sys.exit(main())", "bench", *args, "--json"]
+def _hsmc_bench(args: list[str], first: str = "") -> list[dict]:
+    """One `hsmc bench ... --json` in its own process (`first`: Python it runs before): its rows."""
+    cmd = [sys.executable, "-c", f"import sys; {first}from hsmc.cli import main; sys.exit(main())", "bench", *args,
+           "--json"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
     if done.returncode:
         raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-4000:]}")
@@ -211,6 +217,45 @@ def headline(report: Report) -> None:
                peak_mib=peaks)  # fmt: skip
 
 
+def add_rank_shapes(worlds: tuple[int, ...] = (2, 4)) -> None:
+    """Name, in this process, the shard one of N ranks holds of each Qwen3 shape `<shape>-rank-of-N`, for
+    `random:` sources (the end-of-text token moved inside the smaller vocabulary)."""
+    from hsmc.models.shapes import SHAPES
+
+    for name in ("qwen3-8b", "qwen3-32b"):
+        whole = SHAPES[name]
+        for n in worlds:
+            vocab = -(-whole["vocab_size"] // n)
+            SHAPES[f"{name}-rank-of-{n}"] = dict(
+                whole, num_attention_heads=whole["num_attention_heads"] // n,
+                num_key_value_heads=whole["num_key_value_heads"] // n,
+                intermediate_size=whole["intermediate_size"] // n, vocab_size=vocab, eos_token_id=vocab - 1,
+            )  # fmt: skip
+
+
+def rank_share(report: Report) -> None:
+    first = "sys.path.insert(0, 'scripts'); from bench_tensor_parallel import add_rank_shapes; add_rank_shapes(); "
+    report.say("== one rank's share of TP=N with free communication, on one GPU (bf16; the SMC cycle with the 32B cut "
+               f"to {TARGET_LAYERS} layers): shard shapes as TP=1 stacks against the whole shapes ==")  # fmt: skip
+    base: dict[str, float] = {}
+    for n in (1, 2, 4):
+        suffix = f"-rank-of-{n}" if n > 1 else ""
+        for shape, batch in (("qwen3-8b", "1"), ("qwen3-8b", "8"), ("qwen3-32b", "1")):
+            row = _hsmc_bench(["--shape", shape + suffix, "--batch", batch, "--new-tokens", "128", "--no-baseline"],
+                              first)[0]  # fmt: skip
+            case = f"{shape} batch {batch}"
+            base.setdefault(case, row["hsmc_tok_s"])
+            report.say(f"{case}, 1/{n} of it: {row['hsmc_tok_s']:7.1f} tok/s, {row['hsmc_tok_s'] / base[case]:.2f}x "
+                       f"the whole, {row['of_roofline']:.1%} of its roofline", part="rank-share", case=case,
+                       world=n, tok_s=row["hsmc_tok_s"], of_roofline=row["of_roofline"])  # fmt: skip
+        row = _hsmc_bench(["--config", "configs/bench/smc_8b_32b.yaml", "--batch", "1", "--new-tokens", "128",
+                           f"levels.0.model=random:qwen3-8b{suffix}", f"levels.1.model=random:qwen3-32b{suffix}",
+                           f"levels.1.num_layers={TARGET_LAYERS}"], first)[0]  # fmt: skip
+        base.setdefault("smc", row["step_ms"])
+        report.say(f"smc_8b_32b cycle, 1/{n} of it: {row['step_ms']:.2f} ms ({row['step_ms'] / base['smc']:.3f}x the "
+                   "whole)", part="rank-share", case="smc_8b_32b", world=n, cycle_ms=row["step_ms"])  # fmt: skip
+
+
 def host_profile(report: Report) -> None:
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:
@@ -254,5 +299,5 @@ def _hottest(lines: list[str], top: int = 12) -> list[tuple[str, list[tuple[str,
 
 if __name__ == "__main__":
     parts = {"all-reduce": all_reduce, "control": control, "decode": decode, "smc": smc, "headline": headline,
-             "host-profile": host_profile}  # fmt: skip
+             "host-profile": host_profile, "rank-share": rank_share}  # fmt: skip
     run_parts(__doc__, parts, "bench_tensor_parallel")
